@@ -1,0 +1,185 @@
+"""The one entry point every stage script goes through: arguments, logging, cluster, summary, errors.
+
+A stage module (``atlasflow.stages.<name>``) provides
+
+* ``DESCRIPTION`` (one line for ``--help``),
+* ``add_arguments(parser)`` with its parameters, named and defaulted as scanpy names them,
+* ``run(args, client) -> dict`` doing the work and returning the numbers for the JSON summary,
+* optionally ``NEEDS_CLUSTER = False`` when it never touches Dask.
+
+Arguments come from the command line (``python scripts/qc.py --input ... --output ...``) or, when the
+script runs under Snakemake's ``script:`` directive, from the ``snakemake`` object: named ``input`` and
+``output`` entries and ``params`` whose names are the argparse destinations. One parser, two ways in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+from atlasflow.errors import AtlasflowError
+
+log = logging.getLogger("atlasflow")
+
+
+def build_parser(stage: ModuleType, name: str) -> argparse.ArgumentParser:
+    """The stage's parser: common options (I/O, cluster, logging) plus the stage's own."""
+    p = argparse.ArgumentParser(
+        prog=f"scripts/{name}.py", description=stage.DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    io = p.add_argument_group("input/output")
+    if getattr(stage, "TAKES_INPUT", True):
+        io.add_argument("--input", help="input AnnData Zarr store")
+    io.add_argument("--output", help="output store to write (written atomically)")
+    io.add_argument("--summary", help="JSON summary to write (default: OUTPUT with .json instead of .zarr)")
+    io.add_argument("--log", help="also write the log to this file")
+    io.add_argument("--chunk-rows", type=int, default=None,
+                    help="cells per row block (default: as stored in the input, or 10000)")
+    dk = p.add_argument_group("dask cluster")
+    dk.add_argument("--scheduler-file", default=None, help="attach to the scheduler described by this file")
+    dk.add_argument("--address", default=None, help="attach to the scheduler at this address (tcp://host:port)")
+    dk.add_argument("--n-workers", type=int, default=None,
+                    help="workers of a local cluster (default: cores of the allocation)")
+    dk.add_argument("--memory-limit", default="auto", help="memory limit per local worker (e.g. 2GB)")
+    dk.add_argument("--backend", default="cpu", choices=["auto", "cpu", "gpu"], help="compute backend")
+    dk.add_argument("--gpu-preset", default="capacity", choices=["performance", "capacity"],
+                    help="dask-cuda cluster preset when the backend is gpu")
+    stage.add_arguments(p.add_argument_group(f"{name} parameters"))
+    return p
+
+
+def args_from_snakemake(parser: argparse.ArgumentParser, smk) -> argparse.Namespace:
+    """Fill the parser's namespace from a Snakemake ``script:`` object (input/output/log/params/threads)."""
+    args = parser.parse_args([])
+    known = vars(args)
+    for source in (smk.input, smk.output):
+        for key, value in source.items():
+            if key in known:
+                setattr(args, key, value)
+    for key, value in smk.params.items():
+        if key not in known:
+            raise AtlasflowError(f"rule {smk.rule}: params.{key} is not a parameter of this stage")
+        setattr(args, key, value)
+    if smk.log:
+        args.log = str(smk.log[0])
+    if args.n_workers is None and getattr(smk, "threads", None):
+        args.n_workers = int(smk.threads)
+    return args
+
+
+def setup_logging(logfile: str | None) -> None:
+    """Log to stderr and, when given, to the rule's log file."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if logfile:
+        Path(logfile).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(logfile, mode="a"))
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("distributed", "numba", "fsspec", "asyncio", "bokeh", "tornado"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def peak_memory(client=None) -> dict:
+    """Peak resident memory (bytes) of this process and, with a client, of each worker process."""
+    self_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {"client": self_peak, "workers": {}}
+    if client is not None:
+        try:
+            out["workers"] = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        except Exception:  # noqa: BLE001 - best effort: never fail a stage over a statistic
+            pass
+    out["total"] = out["client"] + sum(out["workers"].values())
+    return out
+
+
+def where_it_ran(client=None) -> dict:
+    """Host, SLURM job and Dask scheduler/workers, for the summary."""
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    if client is not None:
+        sched = client.scheduler_info()
+        info["scheduler"] = sched.get("address")
+        info["workers"] = sorted(sched.get("workers", {}))
+    return info
+
+
+def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None) -> int:
+    """Run one stage from a script: parse, log, attach to the cluster, run, summarise; exit code."""
+    name = stage.__name__.rsplit(".", 1)[-1]
+    parser = build_parser(stage, name)
+    try:
+        args = args_from_snakemake(parser, snakemake) if snakemake is not None else parser.parse_args(argv)
+    except AtlasflowError as exc:
+        print(f"atlasflow {name}: error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(stage, "TAKES_INPUT", True) and not args.input:
+        parser.error("--input is required")
+    if not args.output:
+        parser.error("--output is required")
+    if args.summary is None:
+        args.summary = str(Path(args.output).with_suffix(".json"))
+    setup_logging(args.log)
+    t0 = time.time()
+    try:
+        summary = _run_with_cluster(stage, args)
+    except AtlasflowError as exc:
+        log.error("%s", exc)
+        print(f"atlasflow {name}: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - log the trace, show one line
+        log.error("unexpected failure:\n%s", traceback.format_exc())
+        print(f"atlasflow {name}: error: {type(exc).__name__}: {exc} (traceback in the log)", file=sys.stderr)
+        return 1
+    summary = {"stage": name, "seconds": round(time.time() - t0, 3), **summary}
+    from atlasflow.store import write_summary
+
+    write_summary(args.summary, summary)
+    log.info("%s done in %.1f s: %s", name, summary["seconds"], _one_line(summary))
+    return 0
+
+
+def _run_with_cluster(stage: ModuleType, args) -> dict:
+    if not getattr(stage, "NEEDS_CLUSTER", True):
+        result = stage.run(args, None)
+        return {**result, "peak_memory": peak_memory(None), "ran_on": where_it_ran(None)}
+    from atlasflow.cluster import connect, validate_backend
+
+    backend = validate_backend(args.backend)
+    with connect(
+        scheduler_file=args.scheduler_file, address=args.address, n_workers=args.n_workers,
+        memory_limit=args.memory_limit, backend=backend, gpu_preset=args.gpu_preset,
+    ) as client:
+        args.backend = backend
+        log.info("Dask dashboard: %s", client.dashboard_link)
+        result = stage.run(args, client)
+        return {**result, "peak_memory": peak_memory(client), "ran_on": where_it_ran(client)}
+
+
+def _one_line(summary: dict) -> str:
+    keys = ("cells_in", "genes_in", "cells_out", "genes_out")
+    parts = [f"{k}={summary[k]}" for k in keys if k in summary]
+    pm = summary.get("peak_memory", {}).get("total")
+    if pm:
+        parts.append(f"peak_memory={pm / 2**20:.0f}MiB")
+    return ", ".join(parts) or json.dumps(summary)[:200]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``atlasflow STAGE [options]``: run a stage by name (same as ``python scripts/STAGE.py``)."""
+    import importlib
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: atlasflow STAGE [options]   (see python scripts/STAGE.py --help)")
+        return 0
+    stage = importlib.import_module(f"atlasflow.stages.{argv[0]}")
+    return stage_main(stage, argv=argv[1:])

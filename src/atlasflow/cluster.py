@@ -1,0 +1,113 @@
+"""Attach to a running Dask scheduler or start a local cluster sized to the job.
+
+Order of precedence: an explicit scheduler file or address (config ``dask.scheduler_file`` /
+``dask.address``, ``--scheduler-file`` / ``--address`` on a script, or the ``ATLASFLOW_SCHEDULER_FILE``
+environment variable that the workflow sets for a shared per-run cluster), else a ``LocalCluster`` with
+one single-threaded worker process per core of the allocation (``SLURM_CPUS_PER_TASK`` under SLURM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from atlasflow.errors import ClusterError, ConfigError
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = "20s"
+
+
+def allocation_cores() -> int:
+    """Cores this job may use: SLURM's allocation when under SLURM, else the process's CPU affinity."""
+    for var in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        if os.environ.get(var, "").isdigit():
+            return max(1, int(os.environ[var]))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def allocation_memory() -> int | None:
+    """Bytes of memory SLURM granted this job, if known (SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU in MB)."""
+    if os.environ.get("SLURM_MEM_PER_NODE", "").isdigit():
+        return int(os.environ["SLURM_MEM_PER_NODE"]) * 2**20
+    if os.environ.get("SLURM_MEM_PER_CPU", "").isdigit():
+        return int(os.environ["SLURM_MEM_PER_CPU"]) * 2**20 * allocation_cores()
+    return None
+
+
+@contextlib.contextmanager
+def connect(
+    *,
+    scheduler_file: str | None = None,
+    address: str | None = None,
+    n_workers: int | None = None,
+    threads_per_worker: int = 1,
+    memory_limit: str | int | None = None,
+    backend: str = "cpu",
+    gpu_preset: str | None = None,
+) -> Iterator:
+    """Yield a ``distributed.Client``: attached to an existing scheduler, or to a fresh local cluster."""
+    from distributed import Client
+
+    scheduler_file = scheduler_file or os.environ.get("ATLASFLOW_SCHEDULER_FILE") or None
+    if scheduler_file or address:
+        if scheduler_file and not Path(scheduler_file).exists():
+            raise ClusterError(f"scheduler file {scheduler_file} does not exist: start the scheduler first")
+        target = f"scheduler file {scheduler_file}" if scheduler_file else f"scheduler {address}"
+        try:
+            client = Client(scheduler_file=scheduler_file, address=address, timeout=CONNECT_TIMEOUT)
+        except (OSError, TimeoutError) as exc:
+            raise ClusterError(f"cannot reach the Dask {target} within {CONNECT_TIMEOUT}: {exc}") from exc
+        log.info("attached to %s (%d workers)", client.scheduler.address, len(client.scheduler_info()["workers"]))
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+
+    if backend == "gpu":
+        from atlasflow.gpu_cluster import local_cuda_cluster  # only imported where dask-cuda exists
+
+        cluster = local_cuda_cluster(preset=gpu_preset or "capacity", n_workers=n_workers)
+    else:
+        from distributed import LocalCluster
+
+        n = int(n_workers or allocation_cores())
+        if memory_limit in (None, "auto"):
+            total = allocation_memory()
+            memory_limit = int(total / n) if total else "auto"
+        cluster = LocalCluster(
+            n_workers=n,
+            threads_per_worker=int(threads_per_worker),
+            processes=True,
+            memory_limit=memory_limit,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        )
+    client = Client(cluster)
+    log.info("started a local cluster: %d workers, dashboard %s", len(cluster.workers), client.dashboard_link)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+
+
+def validate_backend(backend: str) -> str:
+    """Resolve ``auto`` to ``gpu`` when CuPy sees a device, else ``cpu``."""
+    if backend not in ("auto", "cpu", "gpu"):
+        raise ConfigError(f"backend: {backend!r} is not one of auto, cpu, gpu")
+    if backend == "auto":
+        try:
+            import cupy
+
+            return "gpu" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+        except Exception:  # noqa: BLE001 - no CuPy or no driver: CPU
+            return "cpu"
+    return backend

@@ -1,0 +1,109 @@
+"""Cell and gene filtering from QC metrics already in obs/var (no pass over X to decide what to keep).
+
+Thresholds follow ``scanpy.pp.filter_cells`` / ``filter_genes``: ``min_*`` keep values >= the bound,
+``max_*`` keep values <= the bound. ``max_pct_mt`` keeps cells with ``pct_counts_mt`` strictly below it,
+as the scanpy/Seurat tutorials do (``pct_counts_mt < 5``). ``min_cells`` uses ``n_cells_by_counts`` of the
+QC stage, i.e. counted over the cells that entered QC, as the scanpy tutorial filters genes before the
+mitochondrial cut. Optional MAD-based limits flag cells more than ``nmads`` median absolute deviations
+from the median (per sample when a ``sample`` column exists).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+
+from atlasflow.errors import ConfigError, InputError
+
+log = logging.getLogger(__name__)
+
+CELL_THRESHOLDS = {
+    "min_genes": ("n_genes_by_counts", np.greater_equal),
+    "max_genes": ("n_genes_by_counts", np.less_equal),
+    "min_counts": ("total_counts", np.greater_equal),
+    "max_counts": ("total_counts", np.less_equal),
+    "max_pct_mt": ("pct_counts_mt", np.less),
+}
+
+
+def _mad_outliers(values: np.ndarray, nmads: float) -> np.ndarray:
+    med = np.median(values)
+    mad = np.median(np.abs(values - med))
+    return (values < med - nmads * mad) | (values > med + nmads * mad)
+
+
+def qc_filter_masks(
+    obs: pd.DataFrame,
+    var: pd.DataFrame,
+    *,
+    thresholds: Mapping[str, float | None] | None = None,
+    min_cells: int | None = None,
+    per_sample: pd.DataFrame | None = None,
+    mad: Mapping | None = None,
+    sample_key: str = "sample",
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Boolean masks of the cells and genes to keep, and a report of what each rule removed.
+
+    ``per_sample`` (index: sample names, columns: threshold names) overrides the global thresholds
+    for the cells of each listed sample.
+    """
+    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
+    unknown = set(thresholds) - set(CELL_THRESHOLDS)
+    if unknown:
+        raise ConfigError(f"filter: unknown threshold(s) {sorted(unknown)}; known: {sorted(CELL_THRESHOLDS)}")
+    keep = np.ones(len(obs), dtype=bool)
+    report: dict[str, int] = {}
+    samples = obs[sample_key].astype(str).to_numpy() if sample_key in obs else None
+    for name, (column, op) in CELL_THRESHOLDS.items():
+        bound = np.full(len(obs), thresholds.get(name, np.nan), dtype=np.float64)
+        if per_sample is not None and name in per_sample and samples is not None:
+            for sample, value in per_sample[name].dropna().items():
+                bound[samples == str(sample)] = float(value)
+        active = ~np.isnan(bound)
+        if not active.any():
+            continue
+        if column not in obs:
+            raise InputError(f"filter: {name} needs obs[{column!r}]; run the qc stage first")
+        values = obs[column].to_numpy(dtype=np.float64)
+        fails = active & ~op(values, np.where(active, bound, 0))
+        report[name] = int(fails.sum())
+        keep &= ~fails
+    if mad and mad.get("enabled"):
+        groups = samples if samples is not None else np.zeros(len(obs), dtype=int).astype(str)
+        for column, nmads in dict(mad.get("metrics", {})).items():
+            if column not in obs:
+                raise InputError(f"filter.mad: obs has no column {column!r}")
+            values = obs[column].to_numpy(dtype=np.float64)
+            out = np.zeros(len(obs), dtype=bool)
+            for g in np.unique(groups):
+                sel = groups == g
+                out[sel] = _mad_outliers(values[sel], float(nmads))
+            report[f"mad_{column}"] = int(out.sum())
+            keep &= ~out
+    gene_keep = np.ones(len(var), dtype=bool)
+    if min_cells:
+        if "n_cells_by_counts" not in var:
+            raise InputError("filter: min_cells needs var['n_cells_by_counts']; run the qc stage first")
+        gene_keep = var["n_cells_by_counts"].to_numpy() >= min_cells
+        report["min_cells"] = int((~gene_keep).sum())
+    if not keep.any():
+        active = {**thresholds, **({"mad": dict(mad)} if mad and mad.get("enabled") else {})}
+        raise InputError(f"filter: the thresholds {active} remove all {len(obs)} cells")
+    if not gene_keep.any():
+        raise InputError(f"filter: min_cells={min_cells} removes all {len(var)} genes")
+    return keep, gene_keep, report
+
+
+def filter_cells_genes(adata: ad.AnnData, cell_mask: np.ndarray, gene_mask: np.ndarray) -> ad.AnnData:
+    """Lazy subset of a Dask-backed AnnData (rows, then genes); nothing of X is computed."""
+    out = adata[np.asarray(cell_mask)]
+    if not np.all(gene_mask):
+        out = out[:, np.asarray(gene_mask)]
+    return out.copy() if not out.is_view else ad.AnnData(
+        X=out.X, obs=out.obs.copy(), var=out.var.copy(), layers={k: v for k, v in out.layers.items()},
+        obsm=dict(out.obsm), varm=dict(out.varm), uns=dict(adata.uns),
+    )

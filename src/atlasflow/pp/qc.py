@@ -1,0 +1,126 @@
+"""QC metrics as ``scanpy.pp.calculate_qc_metrics``, in one pass over X."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import anndata as ad
+import dask
+import numpy as np
+import pandas as pd
+
+from atlasflow import kernels
+from atlasflow.backend import xp_of
+from atlasflow.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def gene_set_masks(var: pd.DataFrame, sets: Mapping[str, Mapping]) -> dict[str, np.ndarray]:
+    """Boolean gene masks for QC gene sets, each given by ``prefix`` (str or list), ``regex`` or ``genes_file``.
+
+    Symbols are taken from ``var["gene_symbols"]`` when present (ingest keeps the original symbols there),
+    else from the var names. A set that matches no gene gives an all-False mask and a warning.
+    """
+    symbols = pd.Index(var["gene_symbols"] if "gene_symbols" in var else var.index).astype(str)
+    masks = {}
+    for name, spec in sets.items():
+        spec = dict(spec or {})
+        mask = np.zeros(len(symbols), dtype=bool)
+        if "prefix" in spec:
+            prefixes = [spec["prefix"]] if isinstance(spec["prefix"], str) else list(spec["prefix"])
+            mask |= np.asarray(symbols.str.startswith(tuple(prefixes)))
+        if "regex" in spec:
+            try:
+                mask |= np.asarray(symbols.str.contains(spec["regex"], regex=True))
+            except re.error as exc:
+                raise ConfigError(f"qc.gene_sets.{name}.regex: invalid regular expression ({exc})") from exc
+        if spec.get("genes_file"):
+            path = Path(spec["genes_file"])
+            if not path.exists():
+                raise ConfigError(f"qc.gene_sets.{name}.genes_file: {path} does not exist")
+            wanted = {g.strip() for g in path.read_text().split() if g.strip() and not g.startswith("#")}
+            mask |= np.asarray(symbols.isin(wanted)) | np.asarray(var.index.isin(wanted))
+            if "gene_ids" in var:
+                mask |= np.asarray(var["gene_ids"].astype(str).isin(wanted))
+        if not mask.any():
+            log.warning("QC gene set %r matches no gene: pct_counts_%s will be 0", name, name)
+        masks[name] = mask
+    return masks
+
+
+def calculate_qc_metrics(
+    adata: ad.AnnData,
+    *,
+    qc_vars: Sequence[str] = (),
+    percent_top: Sequence[int] | None = (50, 100, 200, 500),
+    log1p: bool = True,
+    inplace: bool = True,
+):
+    """Per-cell and per-gene QC metrics with scanpy's names, reading X once.
+
+    ``qc_vars`` names boolean columns of ``adata.var`` (e.g. ``"mt"``). Adds to obs: n_genes_by_counts,
+    total_counts, pct_counts_in_top_{n}_genes, total_counts_{qc}, pct_counts_{qc} (+ log1p_ variants);
+    to var: n_cells_by_counts, mean_counts, pct_dropout_by_counts, total_counts (+ log1p_ variants).
+    """
+    X = adata.X
+    n, m = X.shape
+    qc_vars = [qc_vars] if isinstance(qc_vars, str) else list(qc_vars)
+    for q in qc_vars:
+        if q not in adata.var:
+            raise ConfigError(f"qc_vars: {q!r} is not a column of var")
+    tops = sorted(int(t) for t in percent_top or () if int(t) <= m)
+    masks = [np.asarray(adata.var[q], dtype=bool) for q in qc_vars]
+    ncols = 2 + len(tops) + len(masks)
+
+    def obs_block(block):
+        cols = [kernels.row_nnz(block), kernels.row_sums(block)]
+        if tops:
+            fr = kernels.top_n_fractions(block, tops)
+            cols += [fr[:, j] for j in range(len(tops))]
+        cols += [kernels.row_sums_masked(block, mk) for mk in masks]
+        xp = xp_of(block)
+        return xp.stack([xp.asarray(c, dtype=xp.float64) for c in cols], axis=1)
+
+    obs_parts = kernels.per_row(X, obs_block, ncols)
+    var_parts = kernels.over_blocks(X, kernels.col_sums_and_nnz, 2 * m)
+    obs_vals, var_vals = dask.compute(obs_parts, var_parts)
+
+    obs = pd.DataFrame(index=adata.obs_names)
+    obs["n_genes_by_counts"] = obs_vals[:, 0].astype(np.int64)
+    if log1p:
+        obs["log1p_n_genes_by_counts"] = np.log1p(obs["n_genes_by_counts"])
+    total = obs_vals[:, 1].astype(np.float32)
+    obs["total_counts"] = total
+    if log1p:
+        obs["log1p_total_counts"] = np.log1p(total)
+    for j, t in enumerate(tops):
+        obs[f"pct_counts_in_top_{t}_genes"] = obs_vals[:, 2 + j] * 100
+    for j, q in enumerate(qc_vars):
+        sub = obs_vals[:, 2 + len(tops) + j].astype(np.float32)
+        obs[f"total_counts_{q}"] = sub
+        if log1p:
+            obs[f"log1p_total_counts_{q}"] = np.log1p(sub)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            obs[f"pct_counts_{q}"] = sub / total * 100
+
+    sums, nnz = var_vals[:m], var_vals[m:]
+    var = pd.DataFrame(index=adata.var_names)
+    var["n_cells_by_counts"] = nnz.astype(np.int64)
+    var["mean_counts"] = sums / max(n, 1)
+    if log1p:
+        var["log1p_mean_counts"] = np.log1p(var["mean_counts"])
+    var["pct_dropout_by_counts"] = (1 - var["n_cells_by_counts"] / max(n, 1)) * 100
+    var["total_counts"] = sums.astype(np.float32)
+    if log1p:
+        var["log1p_total_counts"] = np.log1p(var["total_counts"])
+    if not inplace:
+        return obs, var
+    for c in obs:
+        adata.obs[c] = obs[c].to_numpy()
+    for c in var:
+        adata.var[c] = var[c].to_numpy()
+    return None
