@@ -1,0 +1,197 @@
+"""qc -> filter -> normalize -> log1p against scanpy on pbmc3k, chunk-size invariance, laziness, passes over X."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import anndata as ad
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import atlasflow as af
+from atlasflow.cli import stage_main
+from atlasflow.stages import filter as filter_stage
+from atlasflow.stages import log1p as log1p_stage
+from atlasflow.stages import normalize as normalize_stage
+from atlasflow.stages import qc as qc_stage
+from atlasflow import store
+from atlasflow.store import open_store
+
+TUTORIAL = ["--min-genes", "200", "--max-genes", "2500", "--max-pct-mt", "5", "--min-cells", "3"]
+
+
+class ReadCounter:
+    """Counts row-block reads of lazily opened CSR stores (one per block per pass over X).
+
+    Wraps ``store._read_csr_block`` (the function each read task calls), so graph optimisations such as
+    task fusion cannot hide a read. Open stores inside the ``with`` block.
+    """
+
+    def __init__(self):
+        self.reads = 0
+        self._orig = store._read_csr_block
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.reads += 1
+            return self._orig(*args, **kwargs)
+
+        store._read_csr_block = counted
+        return self
+
+    def __exit__(self, *exc):
+        store._read_csr_block = self._orig
+
+    def passes(self, n_blocks: int) -> float:
+        return self.reads / n_blocks
+
+
+def run_stage(module, *args):
+    assert stage_main(module, argv=[*args, "--n-workers", "1"]) == 0
+
+
+@pytest.fixture(scope="module")
+def pipeline(pbmc3k_raw_store, tmp_path_factory):
+    """The four stages run through their CLI on pbmc3k with the tutorial thresholds."""
+    d = tmp_path_factory.mktemp("pre")
+    run_stage(qc_stage, "--input", str(pbmc3k_raw_store), "--output", str(d / "qc.zarr"), "--chunk-rows", "700")
+    run_stage(filter_stage, "--input", str(d / "qc.zarr"), "--output", str(d / "filter.zarr"), *TUTORIAL)
+    run_stage(normalize_stage, "--input", str(d / "filter.zarr"), "--output", str(d / "normalize.zarr"),
+              "--target-sum", "1e4")
+    run_stage(log1p_stage, "--input", str(d / "normalize.zarr"), "--output", str(d / "log1p.zarr"))
+    return d
+
+
+def test_qc_metrics_equal_scanpy(pipeline, scanpy_pbmc3k):
+    ref = scanpy_pbmc3k["qc"]
+    ours = ad.read_zarr(pipeline / "qc.zarr")
+    assert list(ours.obs_names) == list(ref.obs_names)
+    for col in ref.obs.columns:
+        np.testing.assert_allclose(ours.obs[col].to_numpy(float), ref.obs[col].to_numpy(float), rtol=1e-6,
+                                   err_msg=col)
+    for col in ("n_cells_by_counts", "mean_counts", "log1p_mean_counts", "pct_dropout_by_counts",
+                "total_counts", "log1p_total_counts"):
+        np.testing.assert_allclose(ours.var[col].to_numpy(float), ref.var[col].to_numpy(float), rtol=1e-6,
+                                   err_msg=col)
+    assert int(ours.var["mt"].sum()) == 13
+
+
+def test_tutorial_filter_counts(pipeline):
+    out = ad.read_zarr(pipeline / "filter.zarr")
+    assert out.shape == (2638, 13714)
+    assert out.X.nnz == 2_238_732
+
+
+@pytest.mark.parametrize("stage,snap", [("normalize", "normalized"), ("log1p", "log1p")])
+def test_values_equal_scanpy(pipeline, scanpy_pbmc3k, stage, snap):
+    ref = scanpy_pbmc3k[snap]
+    ours = ad.read_zarr(pipeline / f"{stage}.zarr")
+    assert ours.X.dtype == np.float32
+    assert list(ours.obs_names) == list(ref.obs_names)
+    diff = abs(ours.X - sp.csr_matrix(ref.X))
+    assert diff.nnz == 0 or diff.max() <= np.finfo(np.float32).eps * 4 * abs(ref.X).max()
+    if stage == "log1p":
+        assert ours.uns["log1p"] == {"base": None} or ours.uns["log1p"].get("base") is None
+
+
+def test_unchanged_x_is_linked_not_copied(pipeline, pbmc3k_raw_store):
+    src = next((pbmc3k_raw_store / "X" / "data").rglob("c/*"))
+    dst = pipeline / "qc.zarr" / src.relative_to(pbmc3k_raw_store)
+    assert dst.exists() and os.stat(dst).st_ino == os.stat(src).st_ino
+
+
+def _pipeline_in_memory(store, chunk_rows):
+    adata = open_store(store, chunk_rows=chunk_rows)
+    adata.var["mt"] = af.pp.gene_set_masks(adata.var, {"mt": {"prefix": "MT-"}})["mt"]
+    af.pp.calculate_qc_metrics(adata, qc_vars=["mt"])
+    cells, genes, _ = af.pp.qc_filter_masks(
+        adata.obs, adata.var, thresholds={"min_genes": 200, "max_genes": 2500, "max_pct_mt": 5}, min_cells=3)
+    adata = af.pp.filter_cells_genes(adata, cells, genes)
+    af.pp.normalize_total(adata, target_sum=1e4)
+    af.pp.log1p(adata)
+    return adata
+
+
+def test_results_independent_of_chunk_size(pbmc3k_raw_store):
+    with dask.config.set(scheduler="synchronous"):
+        results = [_pipeline_in_memory(pbmc3k_raw_store, c) for c in (256, 1000, 5000)]
+        mats = [r.X.compute() for r in results]
+    for r, m in zip(results[1:], mats[1:], strict=True):
+        assert (abs(m - mats[0]) > 0).nnz == 0
+        np.testing.assert_array_equal(r.obs["total_counts"], results[0].obs["total_counts"])
+        np.testing.assert_array_equal(r.obs["pct_counts_in_top_50_genes"],
+                                      results[0].obs["pct_counts_in_top_50_genes"])
+
+
+def test_elementwise_steps_stay_lazy(pbmc3k_raw_store):
+    with dask.config.set(scheduler="synchronous"), ReadCounter() as rc:
+        adata = open_store(pbmc3k_raw_store, chunk_rows=500)
+        af.pp.log1p(adata)
+        assert isinstance(adata.X, da.Array)
+        assert rc.reads == 0
+        af.pp.normalize_total(adata, target_sum=1e4)
+        assert isinstance(adata.X, da.Array)
+        assert rc.passes(adata.X.numblocks[0]) == 1  # the per-cell totals only
+
+
+def test_passes_over_x_per_stage(pbmc3k_raw_store, tmp_path):
+    """qc reads X once (all metrics in one compute, X linked); normalize twice (totals, write); log1p once."""
+    from atlasflow.cli import build_parser
+
+    passes = {}
+    src = pbmc3k_raw_store
+    with dask.config.set(scheduler="synchronous"):
+        for name, module, extra in [
+            ("qc", qc_stage, []),
+            ("filter", filter_stage, TUTORIAL),
+            ("normalize", normalize_stage, ["--target-sum", "1e4"]),
+            ("log1p", log1p_stage, []),
+        ]:
+            out = tmp_path / f"{name}.zarr"
+            ns = build_parser(module, name).parse_args(
+                ["--input", str(src), "--output", str(out), "--chunk-rows", "500", *extra])
+            with ReadCounter() as rc:
+                module.run(ns, None)
+            passes[name] = rc.passes(open_store(src, chunk_rows=500).X.numblocks[0])
+            src = out
+    assert passes == {"qc": 1, "filter": 1, "normalize": 2, "log1p": 1}
+
+
+def test_exclude_highly_expressed_matches_scanpy(scanpy_pbmc3k, tmp_path):
+    import scanpy as sc
+
+    from atlasflow.store import write_store
+
+    ref = scanpy_pbmc3k["filtered"].copy()
+    x = da.from_array(sp.csr_matrix(ref.X), chunks=(600, ref.n_vars), asarray=False)
+    write_store(ad.AnnData(X=x, obs=ref.obs[[]], var=ref.var[[]]), tmp_path / "f.zarr")
+    ours = open_store(tmp_path / "f.zarr")
+    with dask.config.set(scheduler="synchronous"):
+        af.pp.normalize_total(ours, exclude_highly_expressed=True, max_fraction=0.05)
+        mat = ours.X.compute()
+    sc.pp.normalize_total(ref, exclude_highly_expressed=True, max_fraction=0.05)
+    np.testing.assert_allclose(mat.toarray(), ref.X.toarray(), rtol=2e-6)
+
+
+def test_thresholds_removing_every_cell_fail_cleanly(pipeline, tmp_path, capsys):
+    out = tmp_path / "none.zarr"
+    rc = stage_main(filter_stage, argv=["--input", str(pipeline / "qc.zarr"), "--output", str(out),
+                                        "--min-genes", "100000", "--n-workers", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1
+    assert "min_genes" in err and "remove all 2700 cells" in err
+    assert not out.exists() and not list(tmp_path.glob(".none.zarr.tmp-*"))
+
+
+def test_missing_mito_prefix_warns_and_gives_zero(pbmc3k_raw_store, caplog):
+    adata = open_store(pbmc3k_raw_store)
+    masks = af.pp.gene_set_masks(adata.var, {"mito": {"prefix": "mt-"}})
+    assert "matches no gene" in caplog.text
+    adata.var["mito"] = masks["mito"]
+    with dask.config.set(scheduler="synchronous"):
+        af.pp.calculate_qc_metrics(adata, qc_vars=["mito"], percent_top=None)
+    assert (adata.obs["pct_counts_mito"] == 0).all()
