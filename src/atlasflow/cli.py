@@ -179,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: atlasflow STAGE [options]   (see python scripts/STAGE.py --help)")
+        print("usage: atlasflow STAGE [options]   (see python scripts/STAGE.py --help)\n"
+              "       atlasflow cluster start|stop --scheduler-file FILE   (one Dask cluster for a run)")
         return 0
+    if argv[0] == "cluster":
+        from atlasflow import shared_cluster
+
+        return shared_cluster.main(argv[1:])
     stage = importlib.import_module(f"atlasflow.stages.{argv[0]}")
     return stage_main(stage, argv=argv[1:])

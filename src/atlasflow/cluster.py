@@ -18,7 +18,8 @@ from atlasflow.errors import ClusterError, ConfigError
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT = "20s"
+#: How long to wait for an existing scheduler before failing (a dead one must not hang a stage).
+CONNECT_TIMEOUT = os.environ.get("ATLASFLOW_CONNECT_TIMEOUT", "10s")
 
 
 def allocation_cores() -> int:

@@ -1,0 +1,299 @@
+"""ingest stage: raw counts (10x h5/mtx, h5ad, AnnData zarr, or a sample sheet of them) into one store.
+
+Reading a file is sequential, so this stage runs without Dask: each input is streamed as CSR row blocks
+(``atlasflow.io``), checked and cleaned block by block, and appended to X of the new store with
+``write_csr_blocks`` (memory bounded by one block). Rules it applies:
+
+* features: only ``Gene Expression`` when the input knows feature types (``--all-features`` keeps all);
+  ``--genome`` keeps the features of one genome;
+* var names: ``--var-names`` (gene symbols by default) made unique as scanpy's ``var_names_make_unique``
+  does (``CRIP1``, ``CRIP1-1``); ``gene_ids``/``gene_symbols`` (and ``feature_types``/``genome`` when
+  known) are kept as columns;
+* several samples (a sample sheet): every input must have the same genes (same ids, possibly in another
+  order, which is then aligned to the first sample's order), else an error names the sample; cell names
+  are always prefixed ``<sample>_`` when there is more than one sample, and any names still duplicated
+  are made unique; ``obs["sample"]`` is a categorical and the sheet's metadata columns are copied to obs.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import zarr
+
+from atlasflow.errors import AtlasflowError, InputError
+from atlasflow.io import (
+    ENTRIES_PER_STEP,
+    CountCheck,
+    Reader,
+    RestartStream,
+    Sample,
+    clean_block,
+    open_input,
+    read_sample_sheet,
+)
+from atlasflow.store import META_KEY, _check_writable, atomic_dir, write_csr_blocks
+
+DESCRIPTION = "Read raw counts (10x .h5 or mtx folder, .h5ad, AnnData .zarr, or a sample sheet) into a Zarr store."
+TAKES_INPUT = False  # --input or --sample-sheet: checked in run()
+NEEDS_CLUSTER = False
+DEFAULT_CHUNK_ROWS = 10_000
+GENE_EXPRESSION = "Gene Expression"
+_SUFFIXES = (".gz", ".h5", ".h5ad", ".hdf5", ".zarr", ".mtx")
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p):
+    p.add_argument("--input", help="one input: 10x .h5, 10x matrix.mtx folder, .h5ad or AnnData .zarr")
+    p.add_argument("--sample-sheet", dest="sample_sheet", default=None,
+                   help="TSV with columns sample, path (+ metadata for obs); replaces --input")
+    p.add_argument("--sample-name", dest="sample_name", default=None,
+                   help="obs['sample'] of a single input (default: an existing obs['sample'], else the file name)")
+    p.add_argument("--layer", default=None, help="h5ad/zarr: read counts from this layer instead of X")
+    p.add_argument("--use-raw", dest="use_raw", action="store_true", help="h5ad/zarr: read counts from .raw")
+    p.add_argument("--var-names", dest="var_names", choices=["gene_symbols", "gene_ids"], default="gene_symbols",
+                   help="what becomes the var index (made unique)")
+    p.add_argument("--allow-normalized", dest="allow_normalized", action="store_true",
+                   help="accept non-integer or negative values with a warning instead of an error")
+    p.add_argument("--all-features", dest="all_features", action="store_true",
+                   help="keep every feature type (default: only 'Gene Expression' when types are known)")
+    p.add_argument("--genome", default=None, help="keep the features of this genome (multi-genome 10x files)")
+
+
+@dataclass
+class Part:
+    """One input of the store: its reader, the columns kept (in store order) and its obs."""
+
+    sample: str
+    reader: Reader
+    cols: np.ndarray | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+def run(args, client) -> dict:
+    if bool(args.input) == bool(args.sample_sheet):
+        raise InputError("give exactly one of --input or --sample-sheet")
+    if args.sample_sheet:
+        samples = read_sample_sheet(args.sample_sheet)
+    else:
+        samples = [Sample(name=args.sample_name, path=Path(args.input))]
+    return ingest(
+        samples, args.output, chunk_rows=args.chunk_rows or DEFAULT_CHUNK_ROWS, layer=args.layer,
+        use_raw=bool(args.use_raw), var_names=args.var_names, allow_normalized=bool(args.allow_normalized),
+        all_features=bool(args.all_features), genome=args.genome,
+    )
+
+
+def ingest(samples: list[Sample], output, *, chunk_rows: int = DEFAULT_CHUNK_ROWS, layer: str | None = None,
+           use_raw: bool = False, var_names: str = "gene_symbols", allow_normalized: bool = False,
+           all_features: bool = False, genome: str | None = None,
+           entries_per_step: int = ENTRIES_PER_STEP) -> dict:
+    """Stream ``samples`` into a new AnnData Zarr store at ``output``; returns the summary numbers."""
+    if var_names not in ("gene_symbols", "gene_ids"):
+        raise InputError(f"--var-names must be gene_symbols or gene_ids, not {var_names!r}")
+    parts = [
+        Part(s.name, open_input(s.path, layer=layer, use_raw=use_raw, genome=genome,
+                                entries_per_step=entries_per_step), metadata=s.metadata)
+        for s in samples
+    ]
+    if len(parts) == 1 and parts[0].sample is None:
+        parts[0].sample = _default_sample_name(parts[0].reader)
+    var, dropped = _align_features(parts, all_features, genome)
+    var, renamed_vars = _name_vars(var, var_names)
+    obs, renamed_cells = _build_obs(parts, keep_sample_column=len(samples) == 1 and samples[0].name is None)
+    shape = (obs.shape[0], var.shape[0])
+    provenance = {
+        "stage": "ingest", "var_names": var_names, "all_features": all_features, "genome": genome,
+        "allow_normalized": allow_normalized,
+        "inputs": [{"sample": p.sample, "path": str(Path(p.reader.path).resolve()), "format": p.reader.kind,
+                    "element": p.reader.label} for p in parts],
+    }
+    with atomic_dir(output) as tmp:
+        _check_writable(tmp)
+        ad.AnnData(obs=obs, var=var).write_zarr(tmp)
+        for p in parts:
+            p.reader.spill_dir = tmp / ".spill"
+        nnz = _write_x(tmp, parts, shape, chunk_rows, allow_normalized)
+        shutil.rmtree(tmp / ".spill", ignore_errors=True)
+        root = zarr.open_group(str(tmp), mode="r+")
+        root.attrs[META_KEY] = {"store_id": uuid.uuid4().hex, "chunk_rows": int(chunk_rows), "provenance": provenance}
+        zarr.consolidate_metadata(str(tmp))
+    log.info("ingest: wrote %s: %d cells x %d genes, %d non-zeros", output, shape[0], shape[1], nnz)
+    return {
+        "cells_in": int(sum(p.reader.shape[0] for p in parts)),
+        "genes_in": int(parts[0].reader.shape[1]),
+        "cells_out": int(shape[0]), "genes_out": int(shape[1]), "nnz": int(nnz),
+        "samples": {p.sample: int(p.reader.shape[0]) for p in parts},
+        "formats": {p.sample: p.reader.kind for p in parts},
+        "features_dropped": dropped,
+        "renamed": {"var_names": renamed_vars, "obs_names": renamed_cells},
+        "chunk_rows": int(chunk_rows),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# features
+
+
+def _default_sample_name(reader: Reader) -> str:
+    name = Path(reader.path).name
+    while Path(name).suffix in _SUFFIXES:
+        name = Path(name).stem
+    return name or "sample"
+
+
+def _feature_mask(reader: Reader, all_features: bool, genome: str | None) -> tuple[np.ndarray, dict]:
+    """Features of one input to keep, and how many of each type were dropped."""
+    var = reader.var
+    keep = np.ones(len(var), dtype=bool)
+    if genome is not None and "genome" in var:
+        keep &= (var["genome"] == genome).to_numpy()
+        if not keep.any():
+            raise InputError(f"{reader.label}: no feature of genome {genome!r} "
+                             f"(genomes: {', '.join(sorted(var['genome'].unique()))})")
+    if not all_features and "feature_types" in var:
+        keep &= (var["feature_types"] == GENE_EXPRESSION).to_numpy()
+        if not keep.any():
+            types = ", ".join(sorted(var["feature_types"].unique()))
+            raise InputError(f"{reader.label}: no '{GENE_EXPRESSION}' features (types: {types}); "
+                             "pass --all-features to keep them")
+    dropped = var.loc[~keep, "feature_types"].value_counts().to_dict() if "feature_types" in var else {}
+    if not keep.all():
+        log.info("%s: keeping %d of %d features (dropped: %s)", reader.label, keep.sum(), len(keep),
+                 dropped or f"{(~keep).sum()} of other genomes")
+    return keep, {str(k): int(v) for k, v in dropped.items()}
+
+
+def _align_features(parts: list[Part], all_features: bool, genome: str | None) -> tuple[pd.DataFrame, dict]:
+    """Var of the store (the first sample's kept features); every part's ``cols`` in that order."""
+    ref_var, dropped = None, {}
+    for part in parts:
+        keep, part_dropped = _feature_mask(part.reader, all_features, genome)
+        idx = np.flatnonzero(keep)
+        var = part.reader.var.iloc[idx].reset_index(drop=True)
+        if ref_var is None:
+            ref_var, dropped = var, part_dropped
+        else:
+            idx = idx[_order_like(ref_var, var, part, parts[0])]
+        part.cols = None if idx.size == part.reader.shape[1] and np.array_equal(idx, np.arange(idx.size)) else idx
+    return ref_var, dropped
+
+
+def _order_like(ref: pd.DataFrame, var: pd.DataFrame, part: Part, first: Part) -> np.ndarray:
+    """Positions in ``var`` of the reference genes (by gene id); InputError when the gene sets differ."""
+    ids, ref_ids = pd.Index(var["gene_ids"]), pd.Index(ref["gene_ids"])
+    if ids.equals(ref_ids):
+        return np.arange(len(ids))
+    if ids.is_unique and ref_ids.is_unique and len(ids) == len(ref_ids) and not len(ref_ids.difference(ids)):
+        log.info("sample %s: same genes as sample %s in another order; aligning", part.sample, first.sample)
+        return ids.get_indexer(ref_ids)
+    missing, extra = ref_ids.difference(ids), ids.difference(ref_ids)
+    raise InputError(
+        f"sample {part.sample} ({part.reader.path}): its {len(ids)} genes differ from the {len(ref_ids)} of "
+        f"sample {first.sample} ({len(missing)} missing{_eg(missing)}, {len(extra)} extra{_eg(extra)}); "
+        "all inputs must have the same genes"
+    )
+
+
+def _eg(index: pd.Index) -> str:
+    return f", e.g. {', '.join(map(str, index[:3]))}" if len(index) else ""
+
+
+def _name_vars(var: pd.DataFrame, var_names: str) -> tuple[pd.DataFrame, int]:
+    """Var index = the chosen column made unique (scanpy's rule); returns how many names changed."""
+    names = pd.Index(var[var_names].astype(str).to_numpy(), dtype=object)
+    unique, renamed = _make_unique(names)
+    if renamed:
+        changed = [f"{a} -> {b}" for a, b in zip(names, unique, strict=True) if a != b]
+        log.info("var names: %d duplicated %s renamed (e.g. %s)", renamed, var_names, ", ".join(changed[:3]))
+    var = var.copy()
+    var.index = unique
+    return var, renamed
+
+
+def _make_unique(names: pd.Index) -> tuple[pd.Index, int]:
+    if names.is_unique:
+        return names, 0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        unique = ad.utils.make_index_unique(names)
+    return pd.Index(unique.to_numpy(dtype=object), dtype=object), int((unique != names).sum())
+
+
+# --------------------------------------------------------------------------------------------------
+# cells
+
+
+def _build_obs(parts: list[Part], keep_sample_column: bool) -> tuple[pd.DataFrame, int]:
+    """obs of all parts: their own columns, ``sample`` and metadata; names prefixed/made unique."""
+    frames = []
+    for part in parts:
+        obs = part.reader.obs.copy()
+        obs.index = obs.index.astype(str)
+        if len(parts) > 1:
+            obs.index = f"{part.sample}_" + obs.index
+        if not (keep_sample_column and "sample" in obs):
+            obs["sample"] = part.sample
+        for key, value in part.metadata.items():
+            obs[key] = value
+        frames.append(obs)
+    obs = pd.concat(frames, axis=0) if len(frames) > 1 else frames[0]
+    if len(parts) > 1:
+        log.info("cell names prefixed with '<sample>_' (%d samples)", len(parts))
+    index, renamed = _make_unique(pd.Index(obs.index.to_numpy(dtype=object), dtype=object))
+    if renamed:
+        log.warning("%d duplicated cell names made unique (suffixes -1, -2, ...)", renamed)
+    obs.index = index
+    order = [p.sample for p in parts]
+    if not isinstance(obs["sample"].dtype, pd.CategoricalDtype):
+        cats = order if set(obs["sample"].astype(str)) <= set(order) else None
+        obs["sample"] = pd.Categorical(obs["sample"].astype(str), categories=cats)
+    return _tidy_obs(obs), renamed
+
+
+def _tidy_obs(obs: pd.DataFrame) -> pd.DataFrame:
+    """Object columns (strings, possibly with gaps from concatenation) as categoricals anndata can write."""
+    for col in obs.columns:
+        if obs[col].dtype == object:
+            values = obs[col]
+            obs[col] = pd.Categorical(values.where(values.isna(), values.astype(str)))
+    return obs
+
+
+# --------------------------------------------------------------------------------------------------
+# matrix
+
+
+def _blocks(parts: list[Part], chunk_rows: int, allow_normalized: bool):
+    """Clean, checked CSR blocks of every part in turn."""
+    for part in parts:
+        reader, check, row0 = part.reader, CountCheck(part.reader, allow_normalized), 0
+        for raw in reader.raw_blocks(chunk_rows):
+            block = clean_block(raw, reader.shape[1], part.cols, check, row0)
+            row0 += block.shape[0]
+            yield block
+        if row0 != reader.shape[0]:
+            raise InputError(f"{reader.label}: read {row0} cells, expected {reader.shape[0]}")
+        log.info("ingest: read %s (%s, sample %s): %d cells", reader.label, reader.kind, part.sample, row0)
+
+
+def _write_x(tmp: Path, parts: list[Part], shape, chunk_rows: int, allow_normalized: bool) -> int:
+    """Stream X into the store; once more from the start if a reader had to switch how it reads."""
+    for attempt in range(2):
+        try:
+            return write_csr_blocks(tmp, "X", _blocks(parts, chunk_rows, allow_normalized), shape)
+        except RestartStream as exc:
+            if attempt:
+                raise AtlasflowError(f"could not stream X: {exc}") from exc
+            log.info("%s", exc)
+            shutil.rmtree(tmp / "X", ignore_errors=True)
+    raise AssertionError("unreachable")
