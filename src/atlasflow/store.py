@@ -44,6 +44,10 @@ warnings.filterwarnings("ignore", message="Consolidated metadata is currently no
 # Zarr format 3 everywhere (anndata's coming default); anndata >= 0.11 and scanpy read it.
 ad.settings.zarr_write_format = 3
 
+#: Write every chunk, even all-zero ones, so a missing chunk file always means damage (see check_complete).
+#: Set globally too: arrays reopened on the workers do not keep a per-array runtime config.
+FULL_CHUNKS = {"write_empty_chunks": True}
+zarr.config.set({"array.write_empty_chunks": True})
 #: Key under the root attributes where atlasflow keeps its bookkeeping.
 META_KEY = "atlasflow"
 
@@ -104,6 +108,8 @@ def lazy_elem(path: Path, key: str, *, chunk_rows: int, store_id: str) -> da.Arr
     root = zarr.open_group(str(path), mode="r")
     node = root[key]
     enc = node.attrs.get("encoding-type", "array")
+    for sub in ("data", "indices", "indptr") if enc == "csr_matrix" else ("",):
+        check_complete(path, f"{key}/{sub}".rstrip("/"))
     if enc == "csr_matrix":
         return _lazy_csr(path, key, node, chunk_rows, store_id)
     if enc == "array":
@@ -114,12 +120,47 @@ def lazy_elem(path: Path, key: str, *, chunk_rows: int, store_id: str) -> da.Arr
     raise StoreError(f"{path}/{key}: encoding {enc!r} is not supported (need csr_matrix or dense array)")
 
 
+def check_complete(path: Path, key: str) -> None:
+    """Fail if chunk files of an array are missing (Zarr would silently read them as zeros)."""
+    arr = zarr.open_array(str(path / key), mode="r")
+    expected = int(np.prod([-(-s // c) for s, c in zip(arr.shape, arr.chunks, strict=True)])) if arr.size else 0
+    chunk_dir = path / key / "c"
+    found = sum(len(files) for _, _, files in os.walk(chunk_dir)) if chunk_dir.exists() else 0
+    if arr.metadata.zarr_format == 2:
+        found = sum(1 for f in (path / key).iterdir() if not f.name.startswith("."))
+    if found < expected:
+        raise StoreError(
+            f"{path} is damaged: {key} has {found} of {expected} chunk files; "
+            f"delete it and re-run {writer_of(path)}"
+        )
+
+
+def writer_of(path: Path) -> str:
+    """'the <stage> stage' that wrote a store, from its provenance (for error messages)."""
+    try:
+        stage = zarr.open_group(str(path), mode="r").attrs.get(META_KEY, {}).get("provenance", {}).get("stage")
+    except Exception:  # noqa: BLE001
+        stage = None
+    return f"the {stage} stage" if stage else "the stage that wrote it"
+
+
+def require(adata: ad.AnnData, store: str | os.PathLike, stage: str, **needed: list[str]) -> None:
+    """Fail with one line listing every obs/var/obsm/obsp/uns key a stage needs but the store lacks."""
+    missing = []
+    for slot, keys in needed.items():
+        have = getattr(adata, slot)
+        have = have.columns if slot in ("obs", "var") else have.keys()
+        missing += [f"{slot}[{k!r}]" for k in keys if k not in have]
+    if missing:
+        raise StoreError(f"{store} lacks {', '.join(missing)} needed by the {stage} stage")
+
+
 def _lazy_csr(path: Path, key: str, node, chunk_rows: int, store_id: str) -> da.Array:
     n, m = (int(s) for s in node.attrs["shape"])
     try:
         indptr = np.asarray(node["indptr"][:], dtype=np.int64)
     except Exception as exc:  # noqa: BLE001
-        raise StoreError(f"{path}/{key}/indptr is unreadable ({exc}); re-run the stage that wrote {path.name}") from exc
+        raise StoreError(f"{path}/{key}/indptr is unreadable ({exc}); re-run {writer_of(path)}") from exc
     if indptr.shape[0] != n + 1:
         raise StoreError(f"{path}/{key}: indptr has {indptr.shape[0]} entries for {n} rows")
     dtype = node["data"].dtype
@@ -146,10 +187,10 @@ def _read_csr_block(path: str, key: str, indptr: np.ndarray, n_cols: int) -> sp.
     except Exception as exc:  # noqa: BLE001
         raise StoreError(
             f"cannot read rows of {path}/{key} ({type(exc).__name__}: {exc}); "
-            f"the store is damaged: delete it and re-run the stage that wrote {Path(path).name}"
+            f"the store is damaged: delete it and re-run {writer_of(Path(path))}"
         ) from exc
     if data.shape[0] != stop - start or indices.shape[0] != stop - start:
-        raise StoreError(f"{path}/{key} is truncated; delete it and re-run the stage that wrote {Path(path).name}")
+        raise StoreError(f"{path}/{key} is truncated; delete it and re-run {writer_of(Path(path))}")
     return sp.csr_matrix((data, indices.astype(np.int32, copy=False), indptr - start), shape=(len(indptr) - 1, n_cols))
 
 
@@ -171,14 +212,19 @@ def source_of(x) -> tuple[str, str] | None:
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; on success replace ``path`` by it, on failure remove it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         yield tmp
         if path.exists():
             shutil.rmtree(path)
         os.rename(tmp, path)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM):
+            raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -209,7 +255,6 @@ def write_store(
             obs=adata.obs, var=adata.var, obsm=dict(adata.obsm), varm=dict(adata.varm),
             obsp=dict(adata.obsp), varp=dict(adata.varp), uns=dict(adata.uns),
         )
-        _check_writable(tmp)
         skeleton.write_zarr(tmp)
         for key, value in big.items():
             write_matrix(tmp, key, value, chunk_rows=chunk_rows, row_nnz=row_nnz.get(key))
@@ -270,9 +315,9 @@ def write_csr_dask(root_path: Path, key: str, x: da.Array, *, row_nnz: np.ndarra
     group.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": [int(n), int(m)]})
     dtype = np.dtype(x.dtype)
     chunk = min(FLAT_CHUNK, max(nnz, 1))
-    group.create_array("data", shape=(nnz,), chunks=(chunk,), dtype=dtype, fill_value=0)
-    group.create_array("indices", shape=(nnz,), chunks=(chunk,), dtype=np.int32, fill_value=0)
-    group.create_array("indptr", shape=(n + 1,), chunks=(min(FLAT_CHUNK, n + 1),), dtype=np.int64, fill_value=0)
+    group.create_array("data", shape=(nnz,), chunks=(chunk,), dtype=dtype, fill_value=0, config=FULL_CHUNKS)
+    group.create_array("indices", shape=(nnz,), chunks=(chunk,), dtype=np.int32, fill_value=0, config=FULL_CHUNKS)
+    group.create_array("indptr", shape=(n + 1,), chunks=(min(FLAT_CHUNK, n + 1),), dtype=np.int64, fill_value=0, config=FULL_CHUNKS)
     group["indptr"][:] = indptr
     starts = np.cumsum((0,) + x.chunks[0])[:-1]
     offsets = indptr[starts]
@@ -355,7 +400,7 @@ def write_dense_dask(root_path: Path, key: str, x: da.Array, *, chunk_rows: int)
         x = x.rechunk((chunk_rows, m))
     rows = int(x.chunks[0][0]) if n else 1
     parent = zarr.open_group(str(root_path), mode="a")
-    arr = parent.create_array(key, shape=(n, m), chunks=(max(rows, 1), max(m, 1)), dtype=x.dtype, fill_value=0)
+    arr = parent.create_array(key, shape=(n, m), chunks=(max(rows, 1), max(m, 1)), dtype=x.dtype, fill_value=0, config=FULL_CHUNKS)
     arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
     da.store(x, zarr.open_array(str(root_path / key), mode="r+"), lock=False, compute=True)
 
@@ -385,8 +430,8 @@ def write_csr_blocks(root_path: Path, key: str, blocks: Iterable[sp.csr_matrix],
         block = sp.csr_matrix(block)
         block.sort_indices()
         if data is None:
-            data = group.create_array("data", shape=(0,), chunks=(FLAT_CHUNK,), dtype=block.dtype, fill_value=0)
-            indices = group.create_array("indices", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.int32, fill_value=0)
+            data = group.create_array("data", shape=(0,), chunks=(FLAT_CHUNK,), dtype=block.dtype, fill_value=0, config=FULL_CHUNKS)
+            indices = group.create_array("indices", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.int32, fill_value=0, config=FULL_CHUNKS)
         if block.nnz:
             data.resize((nnz + block.nnz,))
             indices.resize((nnz + block.nnz,))
@@ -398,10 +443,11 @@ def write_csr_blocks(root_path: Path, key: str, blocks: Iterable[sp.csr_matrix],
     if rows != n:
         raise AtlasflowError(f"{key}: streamed {rows} rows, expected {n}")
     if data is None:
-        group.create_array("data", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.float32, fill_value=0)
-        group.create_array("indices", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.int32, fill_value=0)
+        group.create_array("data", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.float32, fill_value=0, config=FULL_CHUNKS)
+        group.create_array("indices", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.int32, fill_value=0, config=FULL_CHUNKS)
     ptr = np.concatenate(indptr)
-    arr = group.create_array("indptr", shape=ptr.shape, chunks=(min(FLAT_CHUNK, ptr.shape[0]),), dtype=np.int64)
+    arr = group.create_array("indptr", shape=ptr.shape, chunks=(min(FLAT_CHUNK, ptr.shape[0]),), dtype=np.int64,
+                              config=FULL_CHUNKS)
     arr[:] = ptr
     return nnz
 
@@ -426,15 +472,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES):
             raise
         shutil.copy2(src, dst)
-
-
-def _check_writable(tmp: Path) -> None:
-    probe = tmp / ".probe"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise StoreError(f"cannot write into {tmp.parent}: {exc.strerror}") from exc
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pandas as pd
 from atlasflow import pp
 from atlasflow.errors import InputError
 from atlasflow.stages._common import json_arg, optional_float, shape_summary, stored_row_nnz
-from atlasflow.store import open_store, write_store
+from atlasflow.store import open_store, require, write_store
 
 DESCRIPTION = "Filter cells (min/max genes and counts, max pct mito) and genes (min cells) of a qc store."
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ def _per_sample_table(path) -> pd.DataFrame | None:
 def run(args, client) -> dict:
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
     thresholds = {k: getattr(args, k) for k in pp.filter.CELL_THRESHOLDS}
+    require(adata, args.input, "filter",
+            obs=sorted({pp.filter.CELL_THRESHOLDS[k][0] for k, v in thresholds.items() if v is not None}),
+            var=["n_cells_by_counts"] if args.min_cells else [])
     cells, genes, report = pp.qc_filter_masks(
         adata.obs, adata.var, thresholds=thresholds, min_cells=args.min_cells,
         per_sample=_per_sample_table(args.per_sample), mad=args.mad,
