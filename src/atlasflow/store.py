@@ -35,6 +35,7 @@ import scipy.sparse as sp
 import zarr
 from dask.base import tokenize
 
+from atlasflow import progress
 from atlasflow.errors import AtlasflowError, StoreError
 
 #: Elements of a 1-D CSR array per Zarr chunk (4 MiB of float32).
@@ -302,9 +303,9 @@ def write_csr_dask(root_path: Path, key: str, x: da.Array, *, row_nnz: np.ndarra
     """
     n, m = x.shape
     if row_nnz is None:
-        row_nnz = x.map_blocks(
+        (row_nnz,) = progress.compute(x.map_blocks(
             _row_nnz_block, drop_axis=1, chunks=(x.chunks[0],), dtype=np.int64, meta=np.array([], np.int64)
-        ).compute()
+        ), label=f"{key}: counting non-zeros")
     row_nnz = np.asarray(row_nnz, dtype=np.int64)
     if row_nnz.shape[0] != n:
         raise AtlasflowError(f"row_nnz has {row_nnz.shape[0]} rows, matrix has {n}")
@@ -326,7 +327,7 @@ def write_csr_dask(root_path: Path, key: str, x: da.Array, *, row_nnz: np.ndarra
         _write_csr_block, str(root_path / key), offsets, nnz, chunk, lock_ns,
         drop_axis=1, chunks=((1,) * x.numblocks[0],), dtype=np.int64, meta=np.array([], np.int64),
     )
-    written = int(done.sum().compute())
+    written = int(progress.compute(done.sum(), label=f"writing {key}")[0])
     if written != nnz:
         raise AtlasflowError(f"wrote {written} of {nnz} non-zeros of {key}: the matrix changed between passes")
 
@@ -402,7 +403,8 @@ def write_dense_dask(root_path: Path, key: str, x: da.Array, *, chunk_rows: int)
     parent = zarr.open_group(str(root_path), mode="a")
     arr = parent.create_array(key, shape=(n, m), chunks=(max(rows, 1), max(m, 1)), dtype=x.dtype, fill_value=0, config=FULL_CHUNKS)
     arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
-    da.store(x, zarr.open_array(str(root_path / key), mode="r+"), lock=False, compute=True)
+    stored = da.store(x, zarr.open_array(str(root_path / key), mode="r+"), lock=False, compute=False)
+    progress.compute(stored, label=f"writing {key}")
 
 
 def _to_host(block):

@@ -8,7 +8,7 @@ import anndata as ad
 import dask.array as da
 import numpy as np
 
-from atlasflow import kernels
+from atlasflow import kernels, progress
 from atlasflow.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ def normalize_total(
     X = adata.X
     if not isinstance(X, da.Array):
         raise InputError("normalize_total: X must be a Dask array (open the store with atlasflow.store.open_store)")
-    counts = _cell_counts(X).compute().astype(np.float32)
+    (counts,) = progress.compute(_cell_counts(X), label="normalize_total: cell totals")
+    counts = counts.astype(np.float32)
     gene_subset = None
     if exclude_highly_expressed:
         thr = da.from_array(counts.astype(np.float64) * max_fraction, chunks=(X.chunks[0],))

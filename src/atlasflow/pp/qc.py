@@ -8,11 +8,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import anndata as ad
-import dask
 import numpy as np
 import pandas as pd
 
-from atlasflow import kernels
+from atlasflow import kernels, progress
 from atlasflow.backend import xp_of
 from atlasflow.errors import ConfigError
 
@@ -87,7 +86,7 @@ def calculate_qc_metrics(
 
     obs_parts = kernels.per_row(X, obs_block, ncols)
     var_parts = kernels.over_blocks(X, kernels.col_sums_and_nnz, 2 * m)
-    obs_vals, var_vals = dask.compute(obs_parts, var_parts)
+    obs_vals, var_vals = progress.compute(obs_parts, var_parts, label="qc metrics")
 
     obs = pd.DataFrame(index=adata.obs_names)
     obs["n_genes_by_counts"] = obs_vals[:, 0].astype(np.int64)
