@@ -171,7 +171,7 @@ class CountCheck:
         pos = int(np.flatnonzero(bad)[0])
         row = int(np.searchsorted(block.indptr, pos, side="right") - 1)
         cell = self.reader.obs.index[row0 + row]
-        where = f"{what} value {block.data[pos]!r} (cell {cell!r})"
+        where = f"{what} value {float(block.data[pos])!r} (cell {cell!r})"
         if fatal:
             raise InputError(f"{self.reader.label}: {where}; counts must be finite")
         if not self.allow_normalized:

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import zarr
 
-from atlasflow.errors import AtlasflowError, InputError
+from atlasflow.errors import AtlasflowError, ConfigError, InputError
 from atlasflow.io import (
     ENTRIES_PER_STEP,
     CountCheck,
@@ -39,7 +39,7 @@ from atlasflow.io import (
     open_input,
     read_sample_sheet,
 )
-from atlasflow.store import META_KEY, _check_writable, atomic_dir, write_csr_blocks
+from atlasflow.store import META_KEY, atomic_dir, write_csr_blocks
 
 DESCRIPTION = "Read raw counts (10x .h5 or mtx folder, .h5ad, AnnData .zarr, or a sample sheet) into a Zarr store."
 TAKES_INPUT = False  # --input or --sample-sheet: checked in run()
@@ -55,7 +55,7 @@ def add_arguments(p):
     p.add_argument("--sample-sheet", dest="sample_sheet", default=None,
                    help="TSV with columns sample, path (+ metadata for obs); replaces --input")
     p.add_argument("--sample-name", dest="sample_name", default=None,
-                   help="obs['sample'] of a single input (default: an existing obs['sample'], else the file name)")
+                   help="obs['sample'] of a single input; unset: an existing obs['sample'], else the file name")
     p.add_argument("--layer", default=None, help="h5ad/zarr: read counts from this layer instead of X")
     p.add_argument("--use-raw", dest="use_raw", action="store_true", help="h5ad/zarr: read counts from .raw")
     p.add_argument("--var-names", dest="var_names", choices=["gene_symbols", "gene_ids"], default="gene_symbols",
@@ -63,7 +63,7 @@ def add_arguments(p):
     p.add_argument("--allow-normalized", dest="allow_normalized", action="store_true",
                    help="accept non-integer or negative values with a warning instead of an error")
     p.add_argument("--all-features", dest="all_features", action="store_true",
-                   help="keep every feature type (default: only 'Gene Expression' when types are known)")
+                   help="keep every feature type, not only 'Gene Expression' (when the input has feature types)")
     p.add_argument("--genome", default=None, help="keep the features of this genome (multi-genome 10x files)")
 
 
@@ -84,58 +84,71 @@ def run(args, client) -> dict:
         samples = read_sample_sheet(args.sample_sheet)
     else:
         samples = [Sample(name=args.sample_name, path=Path(args.input))]
+    chunk_rows = DEFAULT_CHUNK_ROWS if args.chunk_rows is None else args.chunk_rows
     return ingest(
-        samples, args.output, chunk_rows=args.chunk_rows or DEFAULT_CHUNK_ROWS, layer=args.layer,
-        use_raw=bool(args.use_raw), var_names=args.var_names, allow_normalized=bool(args.allow_normalized),
+        samples, args.output, chunk_rows=chunk_rows, layer=args.layer, use_raw=bool(args.use_raw),
+        var_names=args.var_names, allow_normalized=bool(args.allow_normalized),
         all_features=bool(args.all_features), genome=args.genome,
     )
 
 
-def ingest(samples: list[Sample], output, *, chunk_rows: int = DEFAULT_CHUNK_ROWS, layer: str | None = None,
-           use_raw: bool = False, var_names: str = "gene_symbols", allow_normalized: bool = False,
-           all_features: bool = False, genome: str | None = None,
+def ingest(samples: list[Sample] | str | Path, output, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+           layer: str | None = None, use_raw: bool = False, var_names: str = "gene_symbols",
+           allow_normalized: bool = False, all_features: bool = False, genome: str | None = None,
            entries_per_step: int = ENTRIES_PER_STEP) -> dict:
-    """Stream ``samples`` into a new AnnData Zarr store at ``output``; returns the summary numbers."""
+    """Stream ``samples`` (or one input path) into a new AnnData Zarr store at ``output``; returns the summary.
+
+    Every input is opened and checked (formats, pieces, gene sets) before anything is written.
+    """
+    if isinstance(samples, str | Path):
+        samples = [Sample(name=None, path=Path(samples))]
     if var_names not in ("gene_symbols", "gene_ids"):
-        raise InputError(f"--var-names must be gene_symbols or gene_ids, not {var_names!r}")
+        raise ConfigError(f"--var-names must be gene_symbols or gene_ids, not {var_names!r}")
+    if int(chunk_rows) < 1:
+        raise ConfigError(f"--chunk-rows must be a positive number of cells, not {chunk_rows}")
+    chunk_rows = int(chunk_rows)
     parts = [
         Part(s.name, open_input(s.path, layer=layer, use_raw=use_raw, genome=genome,
                                 entries_per_step=entries_per_step), metadata=s.metadata)
         for s in samples
     ]
-    if len(parts) == 1 and parts[0].sample is None:
+    single_unnamed = len(parts) == 1 and parts[0].sample is None
+    if single_unnamed:
         parts[0].sample = _default_sample_name(parts[0].reader)
     var, dropped = _align_features(parts, all_features, genome)
     var, renamed_vars = _name_vars(var, var_names)
-    obs, renamed_cells = _build_obs(parts, keep_sample_column=len(samples) == 1 and samples[0].name is None)
-    shape = (obs.shape[0], var.shape[0])
+    obs, renamed_cells = _build_obs(parts, keep_sample_column=single_unnamed)
     provenance = {
         "stage": "ingest", "var_names": var_names, "all_features": all_features, "genome": genome,
         "allow_normalized": allow_normalized,
         "inputs": [{"sample": p.sample, "path": str(Path(p.reader.path).resolve()), "format": p.reader.kind,
                     "element": p.reader.label} for p in parts],
     }
-    with atomic_dir(output) as tmp:
-        _check_writable(tmp)
-        ad.AnnData(obs=obs, var=var).write_zarr(tmp)
-        for p in parts:
-            p.reader.spill_dir = tmp / ".spill"
-        nnz = _write_x(tmp, parts, shape, chunk_rows, allow_normalized)
-        shutil.rmtree(tmp / ".spill", ignore_errors=True)
-        root = zarr.open_group(str(tmp), mode="r+")
-        root.attrs[META_KEY] = {"store_id": uuid.uuid4().hex, "chunk_rows": int(chunk_rows), "provenance": provenance}
-        zarr.consolidate_metadata(str(tmp))
-    log.info("ingest: wrote %s: %d cells x %d genes, %d non-zeros", output, shape[0], shape[1], nnz)
+    nnz = _write(output, obs, var, parts, chunk_rows, allow_normalized, provenance)
     return {
-        "cells_in": int(sum(p.reader.shape[0] for p in parts)),
-        "genes_in": int(parts[0].reader.shape[1]),
-        "cells_out": int(shape[0]), "genes_out": int(shape[1]), "nnz": int(nnz),
+        "cells_in": int(sum(p.reader.shape[0] for p in parts)), "genes_in": int(parts[0].reader.shape[1]),
+        "cells_out": int(obs.shape[0]), "genes_out": int(var.shape[0]), "nnz": int(nnz),
         "samples": {p.sample: int(p.reader.shape[0]) for p in parts},
         "formats": {p.sample: p.reader.kind for p in parts},
         "features_dropped": dropped,
         "renamed": {"var_names": renamed_vars, "obs_names": renamed_cells},
-        "chunk_rows": int(chunk_rows),
+        "chunk_rows": chunk_rows,
     }
+
+
+def _write(output, obs, var, parts: list[Part], chunk_rows: int, allow_normalized: bool, provenance: dict) -> int:
+    """The store, atomically: obs/var by anndata, X streamed, bookkeeping as ``write_store`` keeps it."""
+    with atomic_dir(output) as tmp:
+        ad.AnnData(obs=obs, var=var).write_zarr(tmp)
+        for p in parts:
+            p.reader.spill_dir = tmp / ".spill"  # unsorted entries spill beside the store, removed on failure
+        nnz = _write_x(tmp, parts, (obs.shape[0], var.shape[0]), chunk_rows, allow_normalized)
+        shutil.rmtree(tmp / ".spill", ignore_errors=True)
+        root = zarr.open_group(str(tmp), mode="r+")
+        root.attrs[META_KEY] = {"store_id": uuid.uuid4().hex, "chunk_rows": chunk_rows, "provenance": provenance}
+        zarr.consolidate_metadata(str(tmp))
+    log.info("ingest: wrote %s: %d cells x %d genes, %d non-zeros", output, obs.shape[0], var.shape[0], nnz)
+    return nnz
 
 
 # --------------------------------------------------------------------------------------------------
