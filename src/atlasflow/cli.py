@@ -127,6 +127,7 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
         parser.error("--output is required")
     if args.summary is None:
         args.summary = str(Path(args.output).with_suffix(".json"))
+    _absolute_paths(args)
     setup_logging(args.log)
     t0 = time.time()
     try:
@@ -147,6 +148,18 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
     return 0
 
 
+#: Arguments holding paths: made absolute so that workers started in another directory find them.
+PATH_ARGS = ("input", "output", "summary", "log", "per_sample", "sample_sheet", "counts", "groups_store",
+             "scheduler_file")
+
+
+def _absolute_paths(args) -> None:
+    for key in PATH_ARGS:
+        value = getattr(args, key, None)
+        if isinstance(value, str) and value:
+            setattr(args, key, os.path.abspath(value))
+
+
 def _run_with_cluster(stage: ModuleType, args) -> dict:
     if not getattr(stage, "NEEDS_CLUSTER", True):
         result = stage.run(args, None)
@@ -160,7 +173,13 @@ def _run_with_cluster(stage: ModuleType, args) -> dict:
     ) as client:
         args.backend = backend
         log.info("Dask dashboard: %s", client.dashboard_link)
-        result = stage.run(args, client)
+        if backend == "gpu":  # a CUDA out-of-memory error becomes one line with what to change
+            from atlasflow.gpu import oom_guard
+
+            with oom_guard(chunk_rows=args.chunk_rows, preset=args.gpu_preset):
+                result = stage.run(args, client)
+        else:
+            result = stage.run(args, client)
         return {**result, "peak_memory": peak_memory(client), "ran_on": where_it_ran(client)}
 
 

@@ -41,7 +41,8 @@ def gene_set_masks(var: pd.DataFrame, sets: Mapping[str, Mapping]) -> dict[str, 
             path = Path(spec["genes_file"])
             if not path.exists():
                 raise ConfigError(f"qc.gene_sets.{name}.genes_file: {path} does not exist")
-            wanted = {g.strip() for g in path.read_text().split() if g.strip() and not g.startswith("#")}
+            lines = (line.split("#", 1)[0] for line in path.read_text().splitlines())
+            wanted = {word for line in lines for word in line.split()}
             mask |= np.asarray(symbols.isin(wanted)) | np.asarray(var.index.isin(wanted))
             if "gene_ids" in var:
                 mask |= np.asarray(var["gene_ids"].astype(str).isin(wanted))

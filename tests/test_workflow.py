@@ -1,0 +1,331 @@
+"""The Snakemake workflow, run through the ``snakemake`` CLI on a tiny simulated dataset.
+
+Every run uses ``--snakefile workflow/Snakefile --directory <tmp>`` with a config file in the temporary
+folder (the repository's config/config.yaml is not there, so only the tiny dataset exists), two cores,
+and profiles/default as the workflow profile, exactly as a user's run from the repository root gets it.
+
+To keep the file fast on a shared two-core machine, the stages attach to one Dask cluster started by
+this module (``dask.address``) instead of starting one each (the default, exercised by the stage tests
+and by `snakemake --cores 2` on the demo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEFILE = ROOT / "workflow" / "Snakefile"
+PROFILE = ROOT / "profiles" / "default"
+STAGES = ["simulate", "qc", "filter", "normalize", "log1p"]
+DATASET = "tiny"
+
+pytestmark = pytest.mark.workflow
+
+TINY_CONFIG = {
+    "datasets": {
+        DATASET: {
+            "simulate": {"n_cells": 600, "n_genes": 300, "n_cell_types": 4, "seed": 7, "median_counts": 1500,
+                         "frac_damaged": 0.05, "frac_empty": 0.05, "frac_doublets": 0.02},
+            "chunk_rows": 200,
+        }
+    },
+    "resources": {"default": {"threads": 2, "mem_mb": 2000, "runtime": 10}},
+    # a gene list from resources/ (found in the repository although the run is elsewhere)
+    "qc": {"gene_sets": {"mt": {"genes_file": "resources/gene_lists/human_mito.txt"}, "ribo": {"prefix": ["RPS", "RPL"]}},
+           "percent_top": [20, 50]},
+    "filter": {"min_genes": 60, "max_genes": None, "max_pct_mt": 15, "min_cells": 3},
+}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def write_config(workdir: Path, config: dict, name: str = "config.yaml") -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def snakemake_cmd(workdir: Path, *args: str, configfiles=("config.yaml",)) -> list[str]:
+    """The CLI call; targets may be among args (--configfile, which takes several values, comes last)."""
+    return [
+        sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
+        "--cores", "2", "--workflow-profile", str(PROFILE), *args,
+        "--configfile", *[str(workdir / c) for c in configfiles],
+    ]
+
+
+def snakemake(workdir: Path, *args: str, configfiles=("config.yaml",), check: bool = True, timeout: float = 240):
+    """Run snakemake; return its combined output (fail the test with that output when check and rc != 0)."""
+    proc = subprocess.run(snakemake_cmd(workdir, *args, configfiles=configfiles), cwd=workdir, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"snakemake {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return proc
+
+
+def planned_jobs(workdir: Path, *args: str, configfiles=("config.yaml",)) -> dict[str, int]:
+    """Jobs a dry run would execute, as {rule: count} (without the `all` target rule)."""
+    out = snakemake(workdir, "--dry-run", *args, configfiles=configfiles).stdout
+    if "Nothing to be done" in out:
+        return {}
+    table = re.search(r"Job stats:\n(.*?)\ntotal", out, re.S)
+    assert table, out
+    jobs = dict((m.group(1), int(m.group(2))) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table.group(1), re.M))
+    jobs.pop("all", None)
+    return jobs
+
+
+def results(workdir: Path, stage: str) -> Path:
+    return workdir / "results" / DATASET / f"{stage}.zarr"
+
+
+def assert_same_store(a_path: Path, b_path: Path) -> None:
+    """Two stores hold the same AnnData: X bit for bit, obs and var equal."""
+    import anndata as ad
+
+    a, b = ad.read_zarr(a_path), ad.read_zarr(b_path)
+    assert a.shape == b.shape
+    pd.testing.assert_frame_equal(a.obs, b.obs)
+    pd.testing.assert_frame_equal(a.var, b.var)
+    assert a.X.dtype == b.X.dtype
+    xa, xb = a.X.tocsr(), b.X.tocsr()
+    np.testing.assert_array_equal(xa.indptr, xb.indptr)
+    np.testing.assert_array_equal(xa.indices, xb.indices)
+    np.testing.assert_array_equal(xa.data, xb.data)
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """The working directory of the full runs (the `built` fixture and the tests that use it)."""
+    return tmp_path_factory.mktemp("workflow")
+
+
+@pytest.fixture(scope="module")
+def dask_address(workdir):
+    """One two-worker cluster that the stages of this module attach to (saves a cluster start per stage).
+
+    Its workers run in `workdir`: the stage scripts hand the workers store paths relative to the
+    working directory (see the note on relative paths in config/README.md).
+    """
+    from distributed import Client, LocalCluster
+
+    here = os.getcwd()
+    os.chdir(workdir)
+    try:
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                               memory_limit="2GB")
+    finally:
+        os.chdir(here)
+    client = Client(cluster)
+    yield cluster.scheduler_address, client
+    client.close()
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def built(workdir, dask_address):
+    """The whole workflow run once on the tiny dataset; reference copies of its stores kept aside."""
+    write_config(workdir, {**TINY_CONFIG, "dask": {"address": dask_address[0]}})
+    snakemake(workdir)
+    reference = workdir / "reference"
+    for stage in STAGES:
+        shutil.copytree(results(workdir, stage), reference / f"{stage}.zarr")
+    return workdir
+
+
+# ------------------------------------------------------------------------------------------ quick checks
+
+
+def test_lint_is_clean():
+    """`snakemake --lint` from the repository root (its config, its default profile) finds nothing."""
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert "Lints for" not in proc.stdout, proc.stdout
+    assert "profiles/default" in proc.stdout  # found without being named
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        # schema errors: all reported at once, each naming its key
+        ({"filter": {"min_gene": 5, "min_cells": 2.5}, "fliter": {"min_genes": 5},
+          "normalize": {"target_sum": "lots"}, "backend": "tpu"},
+         ["config.filter.min_gene: unknown key", "did you mean 'min_genes'", "config.fliter: unknown key",
+          "did you mean 'filter'", "config.normalize.target_sum: 'lots' is not of type",
+          "config.filter.min_cells: 2.5 is not of type 'integer'", "config.backend: 'tpu' is not one of"]),
+        # dataset checks: a misspelled override, two sources for one dataset
+        ({"datasets": {DATASET: {"overrides": {"filter": {"max_gene": 1}}},
+                       "other": {"path": "x.h5", "sample_sheet": "s.tsv"}}},
+         ["config.datasets.tiny.overrides.filter.max_gene: unknown key",
+          "config.datasets.other: give exactly one of simulate, path, sample_sheet"]),
+        ({"resources": {"nromalize": {"threads": 1}}},
+         ["config.resources.nromalize: unknown stage (did you mean 'normalize'?)"]),
+    ],
+    ids=["schema", "datasets", "resources"],
+)
+def test_bad_config_names_the_key(tmp_path, change, expected):
+    write_config(tmp_path, _merge(TINY_CONFIG, change))
+    proc = snakemake(tmp_path, "--dry-run", check=False)
+    assert proc.returncode != 0, proc.stdout
+    for text in expected:
+        assert text in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stdout
+
+
+def test_one_target_builds_only_what_it_needs(tmp_path):
+    write_config(tmp_path, TINY_CONFIG)
+    jobs = planned_jobs(tmp_path, f"results/{DATASET}/normalize.zarr")
+    assert jobs == {"simulate": 1, "qc": 1, "filter": 1, "normalize": 1}
+
+
+def test_failing_stage_leaves_no_output(tmp_path, dask_address):
+    """A stage that fails (here: the simulator rejects its parameters) leaves no store behind."""
+    config = {**TINY_CONFIG, "datasets": {DATASET: {"simulate": {"n_genes": 100, "n_cell_types": 40}}},
+              "dask": {"address": dask_address[0]}}
+    write_config(tmp_path, config)
+    proc = snakemake(tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "Error in rule simulate" in proc.stdout
+    assert "too few background genes" in proc.stdout  # the stage's one-line error, shown from its log
+    assert not results(tmp_path, "simulate").exists()
+    assert not (tmp_path / "results" / DATASET / "simulate.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ full runs
+
+
+@pytest.mark.slow
+def test_end_to_end_outputs(built):
+    import anndata as ad
+
+    stores = {stage: ad.read_zarr(results(built, stage)) for stage in STAGES}
+    assert stores["simulate"].shape == (600, 300)
+    assert stores["qc"].shape == (600, 300)
+    assert {"total_counts", "n_genes_by_counts", "pct_counts_mt", "pct_counts_in_top_20_genes"} <= set(stores["qc"].obs)
+    assert stores["qc"].var["mt"].sum() == 13  # the 13 MT- genes, matched through resources/gene_lists
+    filtered = stores["filter"]
+    assert 0 < filtered.n_obs < 600
+    assert not filtered.obs["is_empty"].astype(bool).any()
+    assert stores["normalize"].shape == filtered.shape == stores["log1p"].shape
+    totals = np.asarray(stores["normalize"].X.sum(axis=1)).ravel()
+    np.testing.assert_allclose(totals, 1e4, rtol=1e-4)
+    np.testing.assert_allclose(stores["log1p"].X.toarray(), np.log1p(stores["normalize"].X.toarray()), rtol=1e-6)
+    for stage in STAGES:
+        summary = json.loads((built / "results" / DATASET / f"{stage}.json").read_text())
+        assert summary["stage"] == stage
+        assert "done in" in (built / "logs" / DATASET / f"{stage}.log").read_text()
+        assert (built / "logs" / DATASET / f"{stage}.benchmark.tsv").exists()
+    assert json.loads((built / "results" / DATASET / "filter.json").read_text())["cells_out"] == filtered.n_obs
+
+
+@pytest.mark.slow
+def test_rerun_does_nothing(built):
+    proc = snakemake(built)
+    assert "Nothing to be done" in proc.stdout
+
+
+@pytest.mark.slow
+def test_changed_parameter_reruns_its_stage_and_downstream(built):
+    write_config(built, {"filter": {"min_genes": 70}}, "changed.yaml")
+    jobs = planned_jobs(built, configfiles=("config.yaml", "changed.yaml"))
+    assert jobs == {"filter": 1, "normalize": 1, "log1p": 1}
+    # a dataset override of the same key does the same
+    write_config(built, {"datasets": {DATASET: {"overrides": {"normalize": {"target_sum": 5000}}}}}, "override.yaml")
+    assert planned_jobs(built, configfiles=("config.yaml", "override.yaml")) == {"normalize": 1, "log1p": 1}
+
+
+@pytest.mark.slow
+def test_execution_settings_do_not_rerun(built):
+    """Where a stage computes (cluster, workers, memory, chunking, threads) does not re-run finished stages."""
+    write_config(built, {"dask": {"address": None, "n_workers": 1, "memory_limit": "1GB"}, "chunk_rows": 50,
+                         "resources": {"default": {"threads": 1, "mem_mb": 1000}}}, "execution.yaml")
+    assert planned_jobs(built, configfiles=("config.yaml", "execution.yaml")) == {}
+
+
+def rules_run(output: str) -> list[str]:
+    """Rules of the jobs a snakemake run executed (from its output), in order."""
+    return re.findall(r"^\s*(?:local)?rule (\w+):", output, re.M)
+
+
+@pytest.mark.slow
+def test_deleted_stage_reruns_alone(built):
+    """Deleting the last store re-runs that stage only, with the same result."""
+    shutil.rmtree(results(built, "log1p"))
+    proc = snakemake(built)
+    assert rules_run(proc.stdout) == ["log1p", "all"], proc.stdout
+    assert_same_store(results(built, "log1p"), built / "reference" / "log1p.zarr")
+
+
+@pytest.mark.slow
+def test_killed_stage_is_rerun_with_identical_results(built, dask_address):
+    """SIGKILL the whole snakemake process group while normalize runs: no accepted output, identical rerun."""
+    from distributed import Event
+
+    _, client = dask_address
+    target = f"results/{DATASET}/normalize.zarr"
+    shutil.rmtree(results(built, "normalize"))
+    # A missing intermediate store is not rebuilt for its own sake while what depends on it is up to date;
+    # asked for, it is rebuilt alone.
+    assert planned_jobs(built) == {}
+    assert planned_jobs(built, target) == {"normalize": 1}
+    log = built / "logs" / DATASET / "normalize.log"
+    log.unlink(missing_ok=True)
+    # Hold both workers so that the stage, once attached, cannot finish before it is killed.
+    hold = Event("atlasflow-test-hold", client=client)
+    hold.clear()
+    workers = list(client.scheduler_info()["workers"])
+    held = [client.submit(hold.wait, 120, workers=[w], allow_other_workers=False, pure=False) for w in workers]
+    proc = subprocess.Popen(snakemake_cmd(built, target), cwd=built, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (log.exists() and "attached to" in log.read_text()):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "the normalize stage did not start"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the stage has submitted its work by now
+        assert proc.poll() is None
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        hold.set()
+        client.gather(held)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    store = results(built, "normalize")
+    assert not (store / "zarr.json").exists() and not (store / "X").exists()  # nothing that looks complete
+    assert not (built / "results" / DATASET / "normalize.json").exists()
+    snakemake(built, "--unlock")  # a SIGKILLed snakemake cannot remove its lock
+    proc = snakemake(built, target)
+    assert rules_run(proc.stdout) == ["normalize"], proc.stdout
+    assert_same_store(store, built / "reference" / "normalize.zarr")
+    # the rebuilt store is newer than log1p's, which is therefore brought up to date
+    proc = snakemake(built)
+    assert rules_run(proc.stdout) == ["log1p", "all"], proc.stdout
+    assert_same_store(results(built, "log1p"), built / "reference" / "log1p.zarr")

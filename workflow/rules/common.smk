@@ -1,0 +1,368 @@
+"""Helpers for the rule files (config checking, datasets) and what every stage rule needs.
+
+A stage rule is written with these helpers only; rules/preprocess.smk is the model to copy. Its named
+input `input` is the previous stage's store(...), its named outputs are `output` (the directory() of
+store(stage)) and `summary` (summary_json(stage)); params are **stage_params(stage); log, benchmark,
+threads and resources come from log_file, benchmark_file, rule_threads, rule_mem_mb and rule_runtime;
+conda is ../../envs/cpu.yaml and script ../../scripts/<stage>.py (paths relative to the rule file). A
+rule file appends its stages to PIPELINE in workflow order, and the `all` target builds the last one.
+
+The names of `input`, `output`, `summary` and of every param are the argparse destinations of the stage
+script (atlasflow.cli.args_from_snakemake). Inputs with other names (`gene_lists`, `samples`) are only
+there so that Snakemake re-runs a stage when those files change; the script ignores them.
+"""
+
+import copy
+import difflib
+import os
+import re
+from pathlib import Path
+
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+#: The repository root (the folder holding workflow/, scripts/, resources/).
+ROOT = Path(workflow.basedir).resolve().parent
+SCHEMA_FILE = ROOT / "workflow" / "schemas" / "config.schema.yaml"
+SAMPLES_SCHEMA_FILE = ROOT / "workflow" / "schemas" / "samples.schema.yaml"
+# envs/cpu.post-deploy.sh installs atlasflow from here into a rule's conda environment
+os.environ.setdefault("ATLASFLOW_ROOT", str(ROOT))
+with open(SCHEMA_FILE) as _fh:
+    SCHEMA = yaml.safe_load(_fh)
+
+#: Top-level config sections that are not stage parameters.
+GLOBAL_SECTIONS = ("datasets", "chunk_rows", "backend", "dask", "gpu", "resources")
+#: Stage sections: every other top-level object of the schema (its keys are the stage's argparse dests).
+STAGE_SECTIONS = tuple(
+    k for k, v in SCHEMA["properties"].items() if k not in GLOBAL_SECTIONS and v.get("type") == "object"
+)
+#: Stages in workflow order; each rule file appends its stages. `rule all` builds the last one.
+PIPELINE = []
+#: Further targets of `rule all`, as patterns with {dataset} (plots, reports, ...).
+EXTRA_TARGETS = []
+#: Where a raw store comes from: the rule that makes it.
+SOURCES = ("simulate", "path", "sample_sheet")
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def _section_schema(name):
+    """A stand-alone schema for one top-level section (keeps the shared $defs)."""
+    return {"$schema": SCHEMA["$schema"], "$defs": SCHEMA.get("$defs", {}), **SCHEMA["properties"][name]}
+
+
+def _allowed_keys(schema):
+    """Keys a schema accepts, following one $ref (for the did-you-mean hint)."""
+    if "$ref" in schema:
+        schema = SCHEMA["$defs"][schema["$ref"].rsplit("/", 1)[-1]]
+    return list(schema.get("properties", {}))
+
+
+def _config_errors(instance, schema, where="config"):
+    """Every schema violation of `instance`, one line each, naming the offending key by its dotted path."""
+    from jsonschema import Draft202012Validator
+
+    lines = []
+    for err in sorted(Draft202012Validator(schema).iter_errors(instance), key=lambda e: list(map(str, e.path))):
+        path = ".".join([where, *map(str, err.absolute_path)])
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            allowed = _allowed_keys(err.schema)
+            for key in sorted(set(err.instance) - set(allowed)):
+                hint = difflib.get_close_matches(key, allowed, n=1)
+                hint = f" (did you mean {hint[0]!r}?)" if hint else ""
+                known = f"; known keys: {', '.join(allowed)}" if allowed else ""
+                lines.append(f"{path}.{key}: unknown key{hint}{known}")
+        elif err.validator == "propertyNames":
+            lines.append(f"{path}: invalid name {err.instance!r} ({err.message})")
+        else:
+            lines.append(f"{path}: {err.message}")
+    return lines
+
+
+def check_config(cfg):
+    """Fail with every config problem at once (unknown keys, wrong types), before defaults are filled.
+
+    Snakemake's validate() fills defaults while it validates and stops at the first error; this check
+    runs first so a user sees all mistakes, each as ``config.<dotted.key>: problem``.
+    """
+    errors = _config_errors(cfg, SCHEMA)
+    if errors:
+        raise WorkflowError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def _merge(base, update):
+    """Deep merge of two dicts (update wins); neither input is modified."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def prepare_config(cfg):
+    """After validate() filled the defaults: datasets, per-dataset overrides, sample sheets, GPUs."""
+    global DATASETS, SIMULATED, INGESTED, SAMPLE_SHEETS
+    DATASETS = {name: spec for name, spec in cfg["datasets"].items() if spec is not None}
+    if not DATASETS:
+        raise WorkflowError("config.datasets: no dataset is configured (all are missing or null)")
+    errors = []
+    for name, spec in DATASETS.items():
+        given = [k for k in SOURCES if k in spec]
+        if len(given) != 1:
+            errors.append(f"config.datasets.{name}: give exactly one of {', '.join(SOURCES)} "
+                          f"(found {', '.join(given) or 'none'})")
+        for stage, values in spec.get("overrides", {}).items():
+            where = f"config.datasets.{name}.overrides.{stage}"
+            if stage not in STAGE_SECTIONS:
+                hint = difflib.get_close_matches(stage, STAGE_SECTIONS, n=1)
+                errors.append(f"{where}: unknown stage section" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                              + f"; known: {', '.join(STAGE_SECTIONS)}")
+            else:
+                errors += _config_errors(values, _section_schema(stage), where)
+    if errors:
+        raise WorkflowError("invalid configuration:\n  " + "\n  ".join(errors))
+    SIMULATED = sorted(n for n, s in DATASETS.items() if "simulate" in s)
+    INGESTED = sorted(n for n in DATASETS if n not in SIMULATED)
+    SAMPLE_SHEETS = {n: _read_sample_sheet(n, s["sample_sheet"]) for n, s in DATASETS.items() if "sample_sheet" in s}
+    devices = cfg["gpu"]["devices"]
+    if devices is not None:  # set, not read: local jobs inherit it, SLURM's default --export=ALL passes it on
+        visible = ",".join(map(str, devices)) if isinstance(devices, list) else str(devices)
+        os.environ.update(CUDA_VISIBLE_DEVICES=visible)
+
+
+def _read_sample_sheet(dataset, sheet):
+    """Validate a sample sheet (samples.schema.yaml) and return its samples' data paths that exist."""
+    import pandas as pd
+
+    path = Path(sheet)
+    if not path.is_file():
+        raise WorkflowError(f"config.datasets.{dataset}.sample_sheet: {sheet} not found")
+    table = pd.read_csv(path, sep="\t", dtype={"sample": str, "path": str}, comment="#")
+    table.columns = [str(c).strip() for c in table.columns]
+    with open(SAMPLES_SCHEMA_FILE) as fh:
+        schema = yaml.safe_load(fh)
+    errors = []
+    missing = [c for c in schema["required"] if c not in table.columns]
+    if missing:
+        errors.append(f"missing column(s) {', '.join(missing)} (has: {', '.join(table.columns)}; "
+                      "the sheet must be tab-separated)")
+    else:
+        numeric = [k for k, v in schema["properties"].items() if v.get("type") == "number"]
+        for i, row in enumerate(table.to_dict("records")):
+            row = {k: v for k, v in row.items() if pd.notnull(v)}  # an empty cell = not given
+            for key in numeric:  # a column with one bad value is read as text: judge each cell
+                if isinstance(row.get(key), str):
+                    try:
+                        row[key] = float(row[key])
+                    except ValueError:
+                        pass
+            errors += [e.replace(f"line {i + 2}.", f"line {i + 2}, column ", 1)
+                       for e in _config_errors(row, schema, where=f"line {i + 2}")]
+        dups = sorted(table.loc[table["sample"].duplicated(), "sample"].unique())
+        if dups:
+            errors.append(f"duplicate sample name(s) {', '.join(dups)}")
+    if errors:
+        raise WorkflowError(f"sample sheet {sheet} (dataset {dataset}):\n  " + "\n  ".join(errors))
+    paths = []
+    for entry in table["path"]:  # looked up as atlasflow.io.samplesheet does: working dir, then the sheet's folder
+        for base in (Path.cwd(), path.parent):
+            if (base / entry).exists():
+                paths.append(str(base / entry))
+                break
+    return paths
+
+
+def dataset_config(dataset, section):
+    """The config section as it applies to one dataset (global values, then the dataset's overrides)."""
+    spec = DATASETS[dataset]
+    if section == "simulate":
+        return spec["simulate"]
+    return _merge(config[section], spec.get("overrides", {}).get(section, {}))
+
+
+def resolve_resource(path):
+    """A relative path from the config, as found: the working directory first, then the repository."""
+    if path is None or os.path.isabs(path) or os.path.exists(path):
+        return path
+    repo = ROOT / path
+    return str(repo) if repo.exists() else path
+
+
+# ------------------------------------------------------------------------------------------ paths
+
+
+def store(stage):
+    """The Zarr store a stage writes, as a pattern with {dataset}."""
+    return f"results/{{dataset}}/{stage}.zarr"
+
+
+def summary_json(stage):
+    """The JSON summary beside a stage's store."""
+    return f"results/{{dataset}}/{stage}.json"
+
+
+def log_file(stage):
+    return f"logs/{{dataset}}/{stage}.log"
+
+
+def benchmark_file(stage):
+    return f"logs/{{dataset}}/{stage}.benchmark.tsv"
+
+
+def regex_of(names):
+    """A wildcard constraint matching exactly these dataset names (nothing when empty)."""
+    return "|".join(re.escape(n) for n in names) if names else "(?!x)x"
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def raw_store(wildcards):
+    """The first store of a dataset: simulated or ingested."""
+    stage = "simulate" if wildcards.dataset in SIMULATED else "ingest"
+    return store(stage).format(dataset=wildcards.dataset)
+
+
+def ingest_inputs(wildcards):
+    """ingest reads `input` (one path) or `sample_sheet`; `samples` only tracks the sheet's data files."""
+    spec = DATASETS[wildcards.dataset]
+    if "path" in spec:
+        return {"input": spec["path"]}
+    return {"sample_sheet": spec["sample_sheet"], "samples": SAMPLE_SHEETS[wildcards.dataset]}
+
+
+def gene_list_files(wildcards):
+    """QC gene lists given as files (tracked as inputs so that editing one re-runs qc)."""
+    sets = dataset_config(wildcards.dataset, "qc")["gene_sets"]
+    return [resolve_resource(s["genes_file"]) for s in sets.values() if s.get("genes_file")]
+
+
+def per_sample_input(wildcards):
+    """filter's per-sample thresholds TSV as a named input `per_sample` (or nothing)."""
+    value = dataset_config(wildcards.dataset, "filter")["per_sample"]
+    if value is True:
+        sheet = DATASETS[wildcards.dataset].get("sample_sheet")
+        return {"per_sample": sheet} if sheet else {}
+    return {"per_sample": resolve_resource(value)} if value else {}
+
+
+# ------------------------------------------------------------------------------------------ params
+
+
+def _value_of(stage, key):
+    def value(wildcards):
+        v = dataset_config(wildcards.dataset, stage)[key]
+        if stage == "qc" and key == "gene_sets":
+            v = {name: {**s, **({"genes_file": resolve_resource(s["genes_file"])} if s.get("genes_file") else {})}
+                 for name, s in v.items()}
+        return v
+
+    return value
+
+
+def _execution(value):
+    """An execution setting as a param that does not trigger re-runs.
+
+    Snakemake re-runs a job when a param's value changes, except for params computed by a function
+    that takes `threads` (or input/output/resources): those count as derived from what is tracked
+    anyway. Where and how a stage computes (cluster, workers, memory, backend, chunking) does not
+    change its result beyond floating-point rounding, so these params take `threads`.
+    """
+
+    def get(wildcards, threads):
+        return value(wildcards, threads) if callable(value) else value
+
+    return get
+
+
+def _chunk_rows(wildcards, threads):
+    own = DATASETS[wildcards.dataset].get("chunk_rows")
+    return own if own is not None else config["chunk_rows"]
+
+
+def _memory_limit(wildcards, threads, resources):
+    """Per-worker memory of a local cluster: auto = the rule's mem_mb split over its workers."""
+    limit = config["dask"]["memory_limit"]
+    if limit is None:
+        return "auto"  # Dask's choice (the SLURM allocation when there is one)
+    if limit == "auto":
+        workers = config["dask"]["n_workers"] or threads or 1
+        return int(resources.mem_mb) * 1_000_000 // int(workers)
+    return limit
+
+
+def runtime_params():
+    """Params every stage script takes: chunking, cluster to attach to or start, backend (not re-run triggers)."""
+    return {
+        "chunk_rows": _execution(_chunk_rows),
+        "scheduler_file": _execution(config["dask"]["scheduler_file"]),
+        "address": _execution(config["dask"]["address"]),
+        "n_workers": _execution(config["dask"]["n_workers"]),
+        "memory_limit": _memory_limit,
+        "backend": _execution(config["backend"]),
+        "gpu_preset": _execution(config["gpu"]["preset"]),
+    }
+
+
+def stage_params(stage, exclude=()):
+    """Rule params of a stage: its config section (keys = argparse dests, per dataset) + runtime_params()."""
+    if stage == "simulate":
+        keys = list(SCHEMA["$defs"]["simulate"]["properties"])
+    else:
+        keys = list(config[stage])
+    params = {key: _value_of(stage, key) for key in keys if key not in exclude}
+    params.update(runtime_params())
+    return params
+
+
+# ------------------------------------------------------------------------------------------ resources
+
+
+def _resource(stage, key):
+    res = config["resources"]
+    own = res.get(stage) or {}
+    return own[key] if key in own else res["default"][key]
+
+
+def rule_threads(stage):
+    return _resource(stage, "threads")
+
+
+def rule_mem_mb(stage):
+    return _resource(stage, "mem_mb")
+
+
+def rule_runtime(stage):
+    return _resource(stage, "runtime")
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+
+def final_targets(wildcards):
+    """Targets of the `all` rule (the last stage's store and summary of every dataset, plus EXTRA_TARGETS)."""
+    if not PIPELINE:
+        raise WorkflowError("no stage rules are included")
+    targets = []
+    for name in DATASETS:
+        targets += [store(PIPELINE[-1]).format(dataset=name), summary_json(PIPELINE[-1]).format(dataset=name)]
+        targets += [pattern.format(dataset=name) for pattern in EXTRA_TARGETS]
+    return targets
+
+
+def check_resources():
+    """resources.<stage> must name a stage of the workflow (called once all rule files are included)."""
+    known = ["default", "simulate", "ingest", *PIPELINE]
+    unknown = [k for k in config["resources"] if k not in known]
+    if unknown:
+        lines = []
+        for key in unknown:
+            hint = difflib.get_close_matches(key, known, n=1)
+            lines.append(f"config.resources.{key}: unknown stage" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                         + f"; known: {', '.join(known)}")
+        raise WorkflowError("invalid configuration:\n  " + "\n  ".join(lines))
+
