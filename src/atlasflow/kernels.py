@@ -98,6 +98,8 @@ def top_n_fractions(block, ns):
 def _row_ids(block):
     """Row index of every stored value of a CSR block."""
     xp = xp_of(block)
+    if xp is not np:  # CuPy < 14 refuses array-valued repeats: locate each value in indptr instead
+        return xp.searchsorted(block.indptr[1:], xp.arange(block.indptr[-1].item()), side="right")
     return xp.repeat(xp.arange(block.shape[0]), xp.diff(block.indptr))
 
 
@@ -152,7 +154,7 @@ def scale_rows(block, factors):
     f = xp.where(f == 0, xp.asarray(1, dtype=block.dtype), f)
     if issparse(block):
         out = block.copy()
-        out.data = out.data / xp.repeat(f, xp.diff(out.indptr))
+        out.data = out.data / (f[_row_ids(out)] if xp is not np else xp.repeat(f, xp.diff(out.indptr)))
         return out
     return block / f[:, None]
 
@@ -188,7 +190,7 @@ def _as_float(values, xp):
 
 def _square_native(values, xp):
     """Squares in the block's own float dtype, as scanpy's mean/variance kernels compute them."""
-    if xp.issubdtype(values.dtype, xp.integer):
+    if np.issubdtype(values.dtype, np.integer):
         values = values.astype(xp.float64)
     return (values * values).astype(xp.float64)
 
@@ -250,46 +252,60 @@ def count_non_counts(block):
     """How many values of a block are negative or not integers (raw counts have none)."""
     xp = xp_of(block)
     v = block.data if issparse(block) else block
-    if xp.issubdtype(v.dtype, xp.integer):
+    if np.issubdtype(v.dtype, np.integer):
         return xp.asarray([(v < 0).sum()], dtype=xp.float64)
     bad = (v < 0) | (v != xp.floor(v)) | ~xp.isfinite(v)
     return xp.asarray([bad.sum()], dtype=xp.float64)
 
 
 def expm1_block(block, factor=None):
-    """``expm1`` of the stored values (after multiplying by ``factor``, to undo a log base)."""
+    """``expm1`` of the stored values, after ``x * factor`` rounded to the block's dtype (undoes a log base)."""
     xp = xp_of(block)
     if issparse(block):
         out = block.copy()
         if factor is not None:
-            out.data = out.data * out.data.dtype.type(factor)
+            out.data = (out.data * np.float64(factor)).astype(out.data.dtype)
         out.data = xp.expm1(out.data)
         return out
-    b = block * block.dtype.type(factor) if factor is not None else block
+    b = (block * np.float64(factor)).astype(block.dtype) if factor is not None else block
     return xp.expm1(b)
 
 
-def col_sums_nan(block):
-    """Per column: float64 sum of the non-NaN values and count of NaN values (length 2 * n_cols)."""
-    xp = xp_of(block)
+def _sum_dtype(dtype):
+    """The accumulator scipy/numpy use for a sum of this dtype: floats keep theirs, integers widen."""
+    return np.dtype(dtype) if np.issubdtype(dtype, np.floating) else np.dtype(np.float64)
+
+
+def col_sums_nan_sequential(block, carry=None):
+    """Running per-column sums of the non-NaN values, and NaN counts, continued from ``carry``.
+
+    Values are added row after row in the data's float dtype, continuing the previous blocks' sums: the
+    order and precision of ``X.sum(axis=0)`` on the whole matrix in scipy (CSR) and numpy (dense), which
+    scanpy's ``score_genes`` uses to bin genes, and independent of how rows are chunked. Host arrays only.
+    """
+    block = to_host(block)
     m = block.shape[1]
+    dtype = _sum_dtype(block.dtype)
+    sums, nans = (np.zeros(m, dtype=dtype), np.zeros(m)) if carry is None else (carry[0].copy(), carry[1].copy())
     if issparse(block):
-        data = _as_float(block.data, xp)
-        nan = xp.isnan(data)
-        sums = xp.bincount(block.indices, weights=xp.where(nan, 0.0, data), minlength=m)
-        nans = xp.bincount(block.indices, weights=nan.astype(xp.float64), minlength=m)
+        data = block.data.astype(dtype, copy=False)
+        nan = np.isnan(data)
+        np.add.at(sums, block.indices, np.where(nan, dtype.type(0), data))
+        nans += np.bincount(block.indices, weights=nan.astype(np.float64), minlength=m)
     else:
-        b = _as_float(block, xp)
-        nan = xp.isnan(b)
-        sums = xp.where(nan, 0.0, b).sum(axis=0)
-        nans = nan.sum(axis=0).astype(xp.float64)
-    return xp.concatenate([sums, nans])
+        b = np.asarray(block, dtype=dtype)
+        nan = np.isnan(b)
+        sums = np.concatenate([sums[None, :], np.where(nan, dtype.type(0), b)]).sum(axis=0, dtype=dtype)
+        nans += nan.sum(axis=0)
+    return sums, nans
 
 
 def row_sums_nan_sets(block, sets):
-    """For each column-index set: per-row float64 sum of the non-NaN values and count of non-NaN values.
+    """For each column-index set: per-row sum of the non-NaN values and count of non-NaN values.
 
-    Returns (rows, 2 * len(sets)): [sum_0, count_0, sum_1, count_1, ...]. Columns of a set may repeat.
+    Returns (rows, 2 * len(sets)): [sum_0, count_0, sum_1, count_1, ...]. Sums follow scipy/numpy as
+    scanpy calls them: sparse rows add their stored values in order in the data's dtype, dense rows are
+    numpy float64 sums.
     """
     xp = xp_of(block)
     cols = []
@@ -297,16 +313,23 @@ def row_sums_nan_sets(block, sets):
         sub = block[:, xp.asarray(idx)]
         if issparse(sub):
             sub = sub.tocsr()
-            data = _as_float(sub.data, xp)
+            data = sub.data
             nan = xp.isnan(data)
             rows = _row_ids(sub)
-            s = xp.bincount(rows, weights=xp.where(nan, 0.0, data), minlength=sub.shape[0])
             nn = xp.bincount(rows, weights=nan.astype(xp.float64), minlength=sub.shape[0])
+            if xp is np:
+                clean = np.where(nan, data.dtype.type(0), data).astype(_sum_dtype(data.dtype), copy=False)
+                s = np.zeros(sub.shape[0], dtype=clean.dtype)
+                nonempty = np.flatnonzero(np.diff(sub.indptr))
+                if nonempty.size:
+                    s[nonempty] = np.add.reduceat(clean, sub.indptr[nonempty])
+                s = s.astype(np.float64)
+            else:
+                s = xp.bincount(rows, weights=xp.where(nan, 0.0, _as_float(data, xp)), minlength=sub.shape[0])
         else:
-            b = _as_float(sub, xp)
-            nan = xp.isnan(b)
-            s = xp.where(nan, 0.0, b).sum(axis=1)
-            nn = nan.sum(axis=1).astype(xp.float64)
+            b = xp.where(xp.isnan(sub), 0, sub)
+            s = b.sum(axis=1, dtype=xp.float64)
+            nn = xp.isnan(sub).sum(axis=1).astype(xp.float64)
         cols += [s, len(idx) - nn]
     return xp.stack(cols, axis=1)
 
@@ -383,20 +406,25 @@ def scale_block(block, mean, std, zero_center, max_value, dtype, row_mask=None):
     return x
 
 
-def gram_and_sums(block, col_idx=None):
-    """``Xᵀ X`` (float64, flattened) followed by the column sums, for the selected columns of a row block."""
+def gram_and_sums(block, col_idx=None, slice_rows=2048):
+    """``Xᵀ X`` (float64, flattened) followed by the column sums, for the selected columns of a row block.
+
+    Sparse blocks are densified ``slice_rows`` rows at a time so the product runs as a BLAS matrix
+    multiply (sparse-sparse products are far slower at the densities of HVG-subset data) with bounded
+    memory.
+    """
     xp = xp_of(block)
     if col_idx is not None:
         block = block[:, xp.asarray(col_idx)]
-    if issparse(block):
-        b = block.astype(xp.float64)
-        gram = b.T @ b
-        gram = gram.toarray() if hasattr(gram, "toarray") else xp.asarray(gram)
-        sums = xp.asarray(b.sum(axis=0)).ravel()
-    else:
-        b = _as_float(block, xp)
-        gram = b.T @ b
-        sums = b.sum(axis=0)
+    m = block.shape[1]
+    gram = xp.zeros((m, m), dtype=xp.float64)
+    sums = xp.zeros(m, dtype=xp.float64)
+    for s in range(0, block.shape[0], slice_rows):
+        part = block[s : s + slice_rows]
+        part = part.toarray() if issparse(part) else part
+        part = _as_float(part, xp)
+        gram += part.T @ part
+        sums += part.sum(axis=0)
     return xp.concatenate([gram.ravel(), sums])
 
 
@@ -411,3 +439,192 @@ def project_block(block, components, offset, col_idx=None):
     else:
         res = _as_float(block, xp) @ comps
     return xp.asarray(res) - xp.asarray(offset, dtype=xp.float64)[None, :]
+
+
+# ------------------------------------------------------------------------------------ groups of rows
+# (rank_genes_groups, aggregate: per-group moments are sums of per-block indicator products G @ X)
+
+
+def group_indicator(block, codes, n_groups: int):
+    """(n_groups, rows) float64 indicator matrix of a block's rows; rows with code < 0 belong to no group."""
+    from atlasflow.backend import sparse_of
+
+    xp = xp_of(block)
+    sparse = sparse_of(block)
+    codes = xp.asarray(codes).ravel().astype(xp.int64)
+    keep = xp.flatnonzero(codes >= 0)
+    ones = xp.ones(keep.shape[0], dtype=xp.float64)
+    return sparse.coo_matrix((ones, (codes[keep], keep)), shape=(n_groups, block.shape[0])).tocsr()
+
+
+def group_moments(block, codes, n_groups: int, squares: bool = True):
+    """Per-group column sums, sums of squares and non-zero counts, plus one count of non-count values.
+
+    Returns ``concat([sums, squares, nnz].ravel(), [n_not_counts])`` in float64 (``squares`` zero-filled
+    when not asked). Values are squared in the block's own dtype before the float64 accumulation, as
+    scanpy's mean/variance and ``get.aggregate`` do, so integer counts give bitwise-equal results.
+    ``n_not_counts`` counts negative or non-integer values (0 means the data look like raw counts).
+    """
+    xp = xp_of(block)
+    g = group_indicator(block, codes, n_groups)
+    m = block.shape[1]
+    if issparse(block):
+        block = block.tocsr() if block.format != "csr" else block
+        vals = block.data
+        sums = (g @ block.astype(xp.float64)).toarray()
+        if squares:
+            sq_blk = block.copy()
+            sq_blk.data = (vals * vals).astype(xp.float64)
+            sq = (g @ sq_blk).toarray()
+        else:
+            sq = xp.zeros((n_groups, m))
+        nz_blk = block.copy()
+        nz_blk.data = (vals != 0).astype(xp.float64)
+        nnz = (g @ nz_blk).toarray()
+    else:
+        vals = block
+        sums = g @ block.astype(xp.float64)
+        sq = g @ (block * block).astype(xp.float64) if squares else xp.zeros((n_groups, m))
+        nnz = g @ (block != 0).astype(xp.float64)
+    not_counts = xp.count_nonzero(xp.signbit(vals) | (vals % 1 != 0)) if vals.dtype.kind == "f" else \
+        xp.count_nonzero(vals < 0)
+    return xp.concatenate([xp.asarray(sums).ravel(), xp.asarray(sq).ravel(), xp.asarray(nnz).ravel(),
+                           xp.asarray([not_counts], dtype=xp.float64)])
+
+
+def logreg_loss_grad(block, labels, coef, intercept, col_idx=None):
+    """Summed (not averaged) logistic loss and its gradient over one block's labelled rows.
+
+    ``labels``: class index per row (-1: row not in the fit). ``coef``: (n_classes, n_features) for the
+    multinomial model, or (1, n_features) for the binary model (``labels`` 0/1, positive class 1).
+    Returns ``concat([loss], grad_coef.ravel(), grad_intercept)`` in float64.
+    """
+    xp = xp_of(block)
+    y = xp.asarray(labels).ravel().astype(xp.int64)
+    keep = xp.flatnonzero(y >= 0)
+    x = block[keep] if keep.shape[0] < block.shape[0] else block
+    if col_idx is not None:
+        x = x[:, xp.asarray(col_idx)]
+    x = x.astype(xp.float64, copy=False)
+    y = y[keep]
+    w = xp.asarray(coef, dtype=xp.float64)
+    b = xp.asarray(intercept, dtype=xp.float64)
+    raw = xp.asarray(x @ w.T) + b[None, :]
+    if w.shape[0] == 1:  # binary: log(1 + e^raw) - y * raw
+        r = raw[:, 0]
+        loss = xp.sum(xp.logaddexp(0.0, r) - y * r)
+        resid = (1.0 / (1.0 + xp.exp(-r)) - y)[:, None]
+    else:  # multinomial: logsumexp(raw) - raw[y]
+        top = raw.max(axis=1, keepdims=True)
+        lse = top[:, 0] + xp.log(xp.exp(raw - top).sum(axis=1))
+        loss = xp.sum(lse - raw[xp.arange(y.shape[0]), y])
+        resid = xp.exp(raw - lse[:, None])
+        resid[xp.arange(y.shape[0]), y] -= 1.0
+    grad_w = xp.asarray(x.T @ resid).T
+    grad_b = resid.sum(axis=0)
+    return xp.concatenate([xp.asarray([loss], dtype=xp.float64), grad_w.ravel(), grad_b])
+
+
+def gene_block_ranks(block, codes, n_codes: int, group_sizes, tested, reference: int | None):
+    """Exact Wilcoxon rank sums of a gene-major block (genes x cells CSR), zeros handled analytically.
+
+    Every gene's values are ranked across the cells of the comparison (all cells, or a tested group
+    plus the reference group) with average ranks for ties, as ``scipy.stats.rankdata``. Only the
+    stored non-zeros are sorted: all zeros of a gene share one tied rank, ``n_negative + (z + 1) / 2``
+    for ``z`` zeros, and the values above zero are shifted up by ``z``.
+
+    Per gene (row of the result): per-code sums (``n_codes``), per-code non-zero counts (``n_codes``),
+    the rank sum of each tested group (``len(tested)``), its tie-correction factor ``1 - sum(t^3 - t) /
+    (N^3 - N)`` (``len(tested)``), and the count of negative or non-integer values (1).
+    """
+    xp = xp_of(block)
+    g_rows = block.shape[0]
+    codes = xp.asarray(codes).ravel()
+    sizes = xp.asarray(group_sizes, dtype=xp.float64)
+    data = block.data
+    # row of each stored value (searchsorted rather than repeat: CuPy's repeat takes no array of counts)
+    rows = (xp.searchsorted(block.indptr, xp.arange(block.data.shape[0]), side="right") - 1).astype(xp.int32)
+    keep = data != 0
+    data, rows, cols = data[keep], rows[keep], block.indices[keep]
+    c = codes[cols].astype(xp.int32)
+    del cols, keep
+    key = rows.astype(xp.int64) * n_codes + c
+    sums = xp.bincount(key, weights=data.astype(xp.float64), minlength=g_rows * n_codes).reshape(g_rows, n_codes)
+    nnz = xp.bincount(key, minlength=g_rows * n_codes).reshape(g_rows, n_codes).astype(xp.float64)
+    del key
+    not_counts = xp.bincount(rows, weights=(xp.signbit(data) | (data % 1 != 0)).astype(xp.float64),
+                             minlength=g_rows) if data.dtype.kind == "f" else xp.zeros(g_rows)
+    if not data.shape[0]:
+        order = xp.zeros(0, dtype=xp.int64)
+    elif xp is np and data.dtype == np.float32:
+        order = np.argsort(_row_value_key(rows, data), kind="stable")
+    elif xp is np:
+        order = np.lexsort((data, rows))  # keys of their own dtypes, no stacked copy
+    else:
+        order = xp.lexsort(xp.stack([data.astype(xp.float64), rows.astype(xp.float64)]))
+    sv, sr, sc = data[order], rows[order], c[order]
+    del data, rows, c, order
+    tested = [int(t) for t in tested]
+    rank_sums = xp.zeros((g_rows, len(tested)))
+    tie = xp.ones((g_rows, len(tested)))
+    if reference is None:
+        n_all = float(sizes.sum())
+        ranks, zero_rank, tsum = _ranks_sorted(sv, sr, g_rows, n_all)
+        per_code = xp.bincount(sr.astype(xp.int64) * n_codes + sc, weights=ranks,
+                               minlength=g_rows * n_codes).reshape(g_rows, n_codes)
+        for j, t in enumerate(tested):
+            rank_sums[:, j] = per_code[:, t] + (sizes[t] - nnz[:, t]) * zero_rank
+            tie[:, j] = _tie_factor(tsum, n_all)
+    else:
+        for j, t in enumerate(tested):
+            sel = (sc == t) | (sc == reference)
+            n_pair = float(sizes[t] + sizes[reference])
+            ranks, zero_rank, tsum = _ranks_sorted(sv[sel], sr[sel], g_rows, n_pair)
+            mine = sc[sel] == t
+            rank_sums[:, j] = xp.bincount(sr[sel][mine], weights=ranks[mine], minlength=g_rows) \
+                + (sizes[t] - nnz[:, t]) * zero_rank
+            tie[:, j] = _tie_factor(tsum, n_pair)
+    return xp.concatenate([sums, nnz, rank_sums, tie, not_counts[:, None]], axis=1)
+
+
+def _ranks_sorted(values, rows, n_rows: int, n_cells: float):
+    """Average ranks (1-based, among ``n_cells`` cells) of non-zeros sorted by (row, value).
+
+    Returns the ranks of the given entries, each row's rank of its zeros and each row's
+    ``sum(t^3 - t)`` over tie groups (zeros included).
+    """
+    xp = xp_of(values)
+    n = values.shape[0]
+    k = xp.bincount(rows, minlength=n_rows).astype(xp.float64)
+    starts = xp.zeros(n_rows + 1, dtype=xp.int64)
+    starts[1:] = xp.cumsum(k.astype(xp.int64))
+    pos = xp.arange(n, dtype=xp.int64) - starts[rows]
+    new = xp.ones(n, dtype=bool)
+    if n > 1:
+        new[1:] = (rows[1:] != rows[:-1]) | (values[1:] != values[:-1])
+    gid = xp.cumsum(new) - 1
+    gstart = pos[new].astype(xp.float64)
+    gcount = xp.bincount(gid).astype(xp.float64) if n else xp.zeros(0)
+    grow = rows[new]
+    z = n_cells - k
+    n_neg = xp.bincount(rows, weights=(values < 0).astype(xp.float64), minlength=n_rows)
+    shift = xp.where(values > 0, z[rows], 0.0)
+    ranks = gstart[gid] + (gcount[gid] + 1.0) / 2.0 + shift
+    zero_rank = n_neg + (z + 1.0) / 2.0
+    tsum = xp.bincount(grow, weights=gcount**3 - gcount, minlength=n_rows) + (z**3 - z)
+    return ranks, zero_rank, tsum
+
+
+def _tie_factor(tsum, n_cells: float):
+    """scipy's ``tiecorrect`` from the summed ``t^3 - t`` of the tie groups (1 for fewer than 2 cells)."""
+    if n_cells < 2:
+        return tsum * 0 + 1.0
+    return 1.0 - tsum / (n_cells**3 - n_cells)
+
+
+def _row_value_key(rows, values):
+    """uint64 keys ordering entries by (row, float32 value): row in the high word, the value's bits made
+    order-preserving (sign bit flipped for positives, all bits for negatives) in the low word."""
+    u = values.view(np.uint32)
+    u = np.where(u >> np.uint32(31), ~u, u | np.uint32(0x80000000))
+    return (rows.astype(np.uint64) << np.uint64(32)) | u.astype(np.uint64)

@@ -10,6 +10,9 @@ log = logging.getLogger("atlasflow.progress")
 
 
 def _client_or_none():
+    # an explicitly chosen local scheduler (dask.config.set(scheduler="sync"), ...) wins over a default client
+    if dask.config.get("scheduler", None) not in (None, "dask.distributed", "distributed"):
+        return None
     try:
         from distributed import get_client
 

@@ -64,3 +64,10 @@ def read_gene_list(path) -> list[str]:
         line = line.split("#", 1)[0]
         genes += [g.strip() for g in line.replace(",", " ").split() if g.strip()]
     return genes
+
+
+def shared(value):
+    """A constant (array) for block tasks, stored once in the graph instead of once per task."""
+    import dask
+
+    return dask.delayed(value, pure=True)

@@ -1,0 +1,55 @@
+"""hvg stage: annotate highly variable genes (scanpy.pp.highly_variable_genes); X is linked, var gains columns."""
+
+from __future__ import annotations
+
+from atlasflow import pp
+from atlasflow.pp.hvg import COUNT_FLAVORS
+from atlasflow.stages._common import optional_float, shape_summary
+from atlasflow.store import open_store, write_store
+
+DESCRIPTION = ("Select highly variable genes (flavors seurat, cell_ranger, seurat_v3, seurat_v3_paper, "
+               "poisson_gene_selection); count-based flavors read --counts.")
+
+
+def optional_int(text):
+    """argparse type: an int, or none/null for 'not set'."""
+    if text is None or (isinstance(text, str) and text.lower() in ("none", "null", "")):
+        return None
+    return int(text)
+
+
+def add_arguments(p):
+    p.add_argument("--counts", default=None,
+                   help="raw-count store with the same cells and genes (e.g. the filter stage's), for seurat_v3, "
+                        "seurat_v3_paper and poisson_gene_selection")
+    p.add_argument("--flavor", default="seurat", help="seurat | cell_ranger | seurat_v3 | seurat_v3_paper | "
+                                                      "poisson_gene_selection")
+    p.add_argument("--n-top-genes", dest="n_top_genes", type=optional_int, default=None,
+                   help="number of genes to select (none: use the mean/dispersion cut-offs; seurat_v3: 2000)")
+    p.add_argument("--min-mean", dest="min_mean", type=float, default=0.0125, help="lower mean cut-off")
+    p.add_argument("--max-mean", dest="max_mean", type=float, default=3.0, help="upper mean cut-off")
+    p.add_argument("--min-disp", dest="min_disp", type=float, default=0.5, help="lower normalised dispersion cut-off")
+    p.add_argument("--max-disp", dest="max_disp", type=optional_float, default=None,
+                   help="upper normalised dispersion cut-off (none: infinity)")
+    p.add_argument("--span", type=float, default=0.3, help="loess span of seurat_v3")
+    p.add_argument("--n-bins", dest="n_bins", type=int, default=20, help="mean-expression bins (seurat)")
+    p.add_argument("--batch-key", dest="batch_key", default=None, help="obs column: select per batch and merge")
+    p.add_argument("--layer", default=None, help="use this layer instead of X")
+    p.add_argument("--no-check-values", dest="check_values", action="store_false",
+                   help="do not refuse non-count data for the count-based flavors")
+
+
+def run(args, client) -> dict:
+    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    counts = None
+    if args.counts and args.flavor in COUNT_FLAVORS:
+        counts = open_store(args.counts, chunk_rows=args.chunk_rows)
+    pp.highly_variable_genes(
+        adata, flavor=args.flavor, n_top_genes=args.n_top_genes, min_mean=args.min_mean, max_mean=args.max_mean,
+        min_disp=args.min_disp, max_disp=float("inf") if args.max_disp is None else args.max_disp,
+        span=args.span, n_bins=args.n_bins, batch_key=args.batch_key, layer=args.layer,
+        check_values=args.check_values, counts=counts,
+    )
+    write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "hvg", "flavor": args.flavor})
+    return {**shape_summary(adata, adata), "flavor": args.flavor,
+            "n_highly_variable": int(adata.var["highly_variable"].sum())}

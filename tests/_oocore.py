@@ -1,0 +1,66 @@
+"""Helpers for the out-of-core oracle tests: Dask-backed AnnData from scanpy snapshots, read counting."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from pathlib import Path
+
+import anndata as ad
+import dask.array as da
+import numpy as np
+import scipy.sparse as sp
+import zarr
+
+
+def lazy(snapshot: ad.AnnData, chunk_rows: int, *, dense: bool = False) -> ad.AnnData:
+    """A copy of a scanpy snapshot whose X is a Dask array of row blocks (CSR, or ndarray when dense)."""
+    x = snapshot.X
+    x = (x.toarray() if sp.issparse(x) else np.asarray(x)) if dense else sp.csr_matrix(x)
+    X = da.from_array(x, chunks=(chunk_rows, x.shape[1]), asarray=False)
+    return ad.AnnData(X=X, obs=snapshot.obs.copy(), var=snapshot.var.copy(), uns=dict(snapshot.uns))
+
+
+def store_of(snapshot: ad.AnnData, path: Path, chunk_rows: int, *, dense: bool = False) -> Path:
+    """Write a snapshot as an atlasflow store with ``chunk_rows`` row blocks."""
+    from atlasflow.store import write_store
+
+    return write_store(lazy(snapshot, chunk_rows, dense=dense), path, chunk_rows=chunk_rows)
+
+
+@contextlib.contextmanager
+def count_x_reads(store: Path):
+    """Count reads of X's row blocks from ``store`` in this process (use with the synchronous scheduler).
+
+    Every block read of a CSR X fetches ``X/data`` once; of a dense X, ``X`` once (empty probes, as dask
+    makes for metadata, are not reads). The yielded Counter maps 'X' to the number of block reads.
+    """
+    orig = zarr.Array.__getitem__
+    counts: Counter = Counter()
+    tag = Path(store).name
+
+    def counting(self, selection):
+        out = orig(self, selection)
+        where = str(self.store_path).rstrip("/")
+        if where.endswith((f"{tag}/X", f"{tag}/X/data")) and np.size(out):  # not dask's empty meta probes
+            counts["X"] += 1
+        return out
+
+    zarr.Array.__getitem__ = counting
+    try:
+        yield counts
+    finally:
+        zarr.Array.__getitem__ = orig
+
+
+def jaccard(a, b) -> float:
+    a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
+    return float((a & b).sum() / max((a | b).sum(), 1))
+
+
+def batches(n: int, k: int = 3, seed: int = 0):
+    """A deterministic categorical batch label per cell."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    return pd.Categorical(np.array([f"b{i}" for i in range(k)])[rng.integers(0, k, n)])
