@@ -67,6 +67,8 @@ def args_from_snakemake(parser: argparse.ArgumentParser, smk) -> argparse.Namesp
             if key in known:
                 setattr(args, key, value)
     for key, value in smk.params.items():
+        if key not in known and key.endswith("_") and key[:-1] in known:
+            key = key[:-1]  # names Snakemake reserves (keys, items, ...) travel with a trailing underscore
         if key not in known:
             raise AtlasflowError(f"rule {smk.rule}: params.{key} is not a parameter of this stage")
         setattr(args, key, value)
@@ -104,11 +106,16 @@ def peak_memory(client=None) -> dict:
 
 def where_it_ran(client=None) -> dict:
     """Host, SLURM job and Dask scheduler/workers, for the summary."""
-    info = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK")}
     if client is not None:
         sched = client.scheduler_info()
+        workers = sched.get("workers", {})
         info["scheduler"] = sched.get("address")
-        info["workers"] = sorted(sched.get("workers", {}))
+        info["workers"] = sorted(workers)
+        # what the cluster had in all: threads and memory limit (bytes) summed over the workers
+        info["threads"] = sum(int(w.get("nthreads") or 0) for w in workers.values())
+        info["memory_limit"] = sum(int(w.get("memory_limit") or 0) for w in workers.values())
     return info
 
 
@@ -172,6 +179,9 @@ def _run_with_cluster(stage: ModuleType, args) -> dict:
         memory_limit=args.memory_limit, backend=backend, gpu_preset=args.gpu_preset,
     ) as client:
         args.backend = backend
+        from atlasflow import store
+
+        store.DEFAULT_BACKEND = backend  # every store the stage opens lands on this backend
         log.info("Dask dashboard: %s", client.dashboard_link)
         if backend == "gpu":  # a CUDA out-of-memory error becomes one line with what to change
             from atlasflow.gpu import oom_guard

@@ -73,9 +73,9 @@ def connect(
         return
 
     if backend == "gpu":
-        from atlasflow.gpu_cluster import local_cuda_cluster  # only imported where dask-cuda exists
+        from atlasflow.gpu_cluster import local_cuda_cluster  # dask-cuda when installed, else one worker per GPU
 
-        cluster = local_cuda_cluster(preset=gpu_preset or "capacity", n_workers=n_workers)
+        cluster = local_cuda_cluster(preset=gpu_preset or "capacity", n_workers=n_workers, memory_limit=memory_limit)
     else:
         from distributed import LocalCluster
 

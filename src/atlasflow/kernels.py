@@ -135,13 +135,13 @@ def col_sums_sq(block):
 
 
 def col_count_above(block, row_threshold):
-    """Per column, how many rows hold a value above that row's threshold (``row_threshold`` per row)."""
+    """Per column, how many rows hold a value above that row's threshold (``row_threshold`` per row); host array."""
     xp = xp_of(block)
     thr = xp.asarray(row_threshold).ravel()
     if issparse(block):
         hit = block.data > thr[_row_ids(block)]
-        return xp.bincount(block.indices[hit], minlength=block.shape[1]).astype(xp.float64)
-    return (block > thr[:, None]).sum(axis=0).astype(xp.float64)
+        return to_host(xp.bincount(block.indices[hit], minlength=block.shape[1]).astype(xp.float64))
+    return to_host((block > thr[:, None]).sum(axis=0).astype(xp.float64))
 
 
 # -------------------------------------------------------------------------------------- elementwise
@@ -335,15 +335,16 @@ def row_sums_nan_sets(block, sets):
 
 
 def col_min_max(block):
-    """Per-column minimum and maximum, implicit zeros included (length 2 * n_cols)."""
+    """Per-column minimum and maximum, implicit zeros included (length 2 * n_cols); host array."""
     xp = xp_of(block)
     if issparse(block):
         lo = block.min(axis=0)
         hi = block.max(axis=0)
         lo = lo.toarray() if hasattr(lo, "toarray") else lo
         hi = hi.toarray() if hasattr(hi, "toarray") else hi
-        return xp.concatenate([xp.asarray(lo, dtype=xp.float64).ravel(), xp.asarray(hi, dtype=xp.float64).ravel()])
-    return xp.concatenate([block.min(axis=0).astype(xp.float64), block.max(axis=0).astype(xp.float64)])
+        return to_host(xp.concatenate([xp.asarray(lo, dtype=xp.float64).ravel(),
+                                       xp.asarray(hi, dtype=xp.float64).ravel()]))
+    return to_host(xp.concatenate([block.min(axis=0).astype(xp.float64), block.max(axis=0).astype(xp.float64)]))
 
 
 def design_t_x(block, design):
@@ -429,7 +430,7 @@ def gram_and_sums(block, col_idx=None, slice_rows=2048):
 
 
 def project_block(block, components, offset, col_idx=None):
-    """PCA coordinates of a row block: ``X[:, cols] @ components - offset`` in float64."""
+    """PCA coordinates of a row block: ``X[:, cols] @ components - offset`` in float64 (host array: it is small)."""
     xp = xp_of(block)
     if col_idx is not None:
         block = block[:, xp.asarray(col_idx)]
@@ -438,7 +439,7 @@ def project_block(block, components, offset, col_idx=None):
         res = block.astype(xp.float64) @ comps
     else:
         res = _as_float(block, xp) @ comps
-    return xp.asarray(res) - xp.asarray(offset, dtype=xp.float64)[None, :]
+    return to_host(xp.asarray(res) - xp.asarray(offset, dtype=xp.float64)[None, :])
 
 
 # ------------------------------------------------------------------------------------ groups of rows

@@ -60,8 +60,15 @@ _SOURCES: dict[str, tuple[str, str]] = {}
 # reading
 
 
-def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None) -> ad.AnnData:
-    """Open an AnnData Zarr store lazily: X and layers as Dask arrays of row chunks, the rest in memory."""
+#: Backend a stage script asked for (atlasflow.cli sets it); "gpu" puts opened matrices on the device.
+DEFAULT_BACKEND = "cpu"
+
+
+def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backend: str | None = None) -> ad.AnnData:
+    """Open an AnnData Zarr store lazily: X and layers as Dask arrays of row chunks, the rest in memory.
+
+    With ``backend="gpu"`` (default: the stage's ``--backend``) the row blocks become CuPy chunks.
+    """
     path = Path(path)
     if not path.exists():
         raise StoreError(f"store {path} does not exist")
@@ -101,7 +108,9 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None) -> ad.
         varp=small("varp"),
         uns=small("uns"),
     )
-    return adata
+    from atlasflow.backend import to_backend
+
+    return to_backend(adata, backend or DEFAULT_BACKEND)
 
 
 def lazy_elem(path: Path, key: str, *, chunk_rows: int, store_id: str) -> da.Array:

@@ -308,13 +308,18 @@ def runtime_params():
     }
 
 
+#: Param names Snakemake reserves; atlasflow.cli maps `<name>_` back to the stage's `<name>`.
+RESERVED_NAMES = ("keys", "items", "values", "get", "size")
+
+
 def stage_params(stage, exclude=()):
     """Rule params of a stage: its config section (keys = argparse dests, per dataset) + runtime_params()."""
     if stage == "simulate":
         keys = list(SCHEMA["$defs"]["simulate"]["properties"])
     else:
         keys = list(config[stage])
-    params = {key: _value_of(stage, key) for key in keys if key not in exclude}
+    # a few names are reserved by Snakemake (keys, items, ...): such a param travels as `<name>_`
+    params = {(f"{key}_" if key in RESERVED_NAMES else key): _value_of(stage, key) for key in keys if key not in exclude}
     params.update(runtime_params())
     return params
 
@@ -333,11 +338,70 @@ def rule_threads(stage):
 
 
 def rule_mem_mb(stage):
-    return _resource(stage, "mem_mb")
+    """mem_mb of a stage's job; a retried job (`--retries`, attempt n) asks for n x the configured value."""
+    mem_mb = _resource(stage, "mem_mb")
+    return lambda wildcards, attempt: mem_mb * attempt
 
 
 def rule_runtime(stage):
-    return _resource(stage, "runtime")
+    """runtime (minutes) of a stage's job, growing with the attempt like rule_mem_mb."""
+    runtime = _resource(stage, "runtime")
+    return lambda wildcards, attempt: runtime * attempt
+
+
+# ------------------------------------------------------------------------------------------ shared cluster
+
+#: Scheduler file of the per-run shared cluster (dask.shared_cluster), in the working directory.
+SHARED_SCHEDULER_FILE = Path(".snakemake", "atlasflow", "scheduler.json")
+
+
+def start_shared_cluster():
+    """onstart: with dask.shared_cluster, one Dask cluster for every stage job of this (local) run.
+
+    Its scheduler file goes to the jobs through ATLASFLOW_SCHEDULER_FILE (local jobs inherit the
+    environment). Skipped, with a log line, where it cannot serve the jobs: under a cluster executor
+    (onstart runs on the submit host), when dask.scheduler_file/address already name a cluster, or when
+    the stages run in another Python (conda/apptainer) or atlasflow is not importable here.
+    """
+    from snakemake.logging import logger
+
+    if not config["dask"]["shared_cluster"]:
+        return
+    if not workflow.local_exec:
+        logger.warning("atlasflow: dask.shared_cluster is ignored under a cluster executor (it would run on the "
+                       "submit host): each job starts its own cluster, or set dask.scheduler_file to a cluster "
+                       "started for the run (hpc/dask_cluster.sbatch)")
+        return
+    if config["dask"]["scheduler_file"] or config["dask"]["address"] or os.environ.get("ATLASFLOW_SCHEDULER_FILE"):
+        logger.info("atlasflow: dask.shared_cluster not started: the stages attach to the cluster named by "
+                    "dask.scheduler_file/address (or ATLASFLOW_SCHEDULER_FILE)")
+        return
+    if workflow.deployment_settings.deployment_method:  # conda/apptainer: the stages' Python is not this one
+        logger.info("atlasflow: dask.shared_cluster not started: stages run in conda/apptainer environments, "
+                    "the cluster would run in Snakemake's; each stage starts its own cluster")
+        return
+    try:
+        from atlasflow import shared_cluster
+        from distributed.system import MEMORY_LIMIT
+    except ImportError as exc:
+        logger.warning(f"atlasflow: dask.shared_cluster not started ({exc}): each stage starts its own cluster")
+        return
+    n_workers = config["dask"]["n_workers"] or workflow.cores
+    limit = config["dask"]["memory_limit"]
+    if limit in (None, "auto"):  # the run's mem_mb budget (--resources), else the machine, over the workers
+        budget = getattr(workflow.global_resources.get("mem_mb"), "value", None)
+        limit = int(budget * 1_000_000 if isinstance(budget, int) else MEMORY_LIMIT) // int(n_workers)
+    shared_cluster.start(SHARED_SCHEDULER_FILE, n_workers=int(n_workers), memory_limit=str(limit))
+    os.environ.update(ATLASFLOW_SCHEDULER_FILE=str(SHARED_SCHEDULER_FILE.resolve()))  # what the jobs attach to
+    logger.info(f"atlasflow: shared Dask cluster with {n_workers} workers ({SHARED_SCHEDULER_FILE})")
+
+
+def stop_shared_cluster():
+    """onsuccess/onerror: stop the cluster start_shared_cluster() started (nothing when there is none)."""
+    if os.environ.pop("ATLASFLOW_SCHEDULER_FILE", None) == str(SHARED_SCHEDULER_FILE.resolve()):
+        from atlasflow import shared_cluster
+
+        shared_cluster.stop(SHARED_SCHEDULER_FILE, quiet=True)
 
 
 # ------------------------------------------------------------------------------------------ targets

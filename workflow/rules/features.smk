@@ -1,0 +1,168 @@
+# Features and embedding: hvg -> subset -> [regress_out] -> scale -> pca, plus optional gene scores.
+# hvg marks genes on the full log1p store (seurat_v3/poisson flavors read the filter store's counts);
+# subset writes the smaller matrix; scale writes dense X; pca adds obsm X_pca, varm PCs, uns pca.
+
+
+PIPELINE.extend(["hvg", "subset", "scale", "pca"])
+
+
+def hvg_inputs(wildcards):
+    """hvg reads log1p; the count-based flavors also read the filter stage's raw counts as `counts`."""
+    flavor = dataset_config(wildcards.dataset, "hvg")["flavor"]
+    inputs = {"input": store("log1p").format(**wildcards)}
+    if flavor in ("seurat_v3", "seurat_v3_paper", "poisson_gene_selection"):
+        inputs["counts"] = store("filter").format(**wildcards)
+    return inputs
+
+
+def scale_input(wildcards):
+    """scale reads regress_out's store when regress_out.enabled, else subset's."""
+    stage = "regress_out" if dataset_config(wildcards.dataset, "regress_out")["enabled"] else "subset"
+    return store(stage).format(**wildcards)
+
+
+def score_genes_files(wildcards):
+    """Gene-list files of score_genes, tracked so that editing one re-runs the stage."""
+    cfg = dataset_config(wildcards.dataset, "score_genes")
+    return [resolve_resource(cfg[k]) for k in ("gene_list", "s_genes", "g2m_genes")
+            if cfg[k] and os.path.exists(str(resolve_resource(cfg[k])))]
+
+
+def _resolved(stage, key):
+    return lambda wildcards: resolve_resource(dataset_config(wildcards.dataset, stage)[key])
+
+
+rule hvg:
+    input:
+        unpack(hvg_inputs),
+    output:
+        output=directory(store("hvg")),
+        summary=summary_json("hvg"),
+    params:
+        **stage_params("hvg"),
+    log:
+        log_file("hvg"),
+    benchmark:
+        benchmark_file("hvg")
+    threads: rule_threads("hvg")
+    resources:
+        mem_mb=rule_mem_mb("hvg"),
+        runtime=rule_runtime("hvg"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/hvg.py"
+
+
+rule subset:
+    input:
+        input=store("hvg"),
+    output:
+        output=directory(store("subset")),
+        summary=summary_json("subset"),
+    params:
+        **stage_params("subset"),
+    log:
+        log_file("subset"),
+    benchmark:
+        benchmark_file("subset")
+    threads: rule_threads("subset")
+    resources:
+        mem_mb=rule_mem_mb("subset"),
+        runtime=rule_runtime("subset"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/subset.py"
+
+
+rule regress_out:
+    input:
+        input=store("subset"),
+    output:
+        output=directory(store("regress_out")),
+        summary=summary_json("regress_out"),
+    params:
+        **stage_params("regress_out", exclude=["enabled"]),
+    log:
+        log_file("regress_out"),
+    benchmark:
+        benchmark_file("regress_out")
+    threads: rule_threads("regress_out")
+    resources:
+        mem_mb=rule_mem_mb("regress_out"),
+        runtime=rule_runtime("regress_out"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/regress_out.py"
+
+
+rule scale:
+    input:
+        input=scale_input,
+    output:
+        output=directory(store("scale")),
+        summary=summary_json("scale"),
+    params:
+        **stage_params("scale"),
+    log:
+        log_file("scale"),
+    benchmark:
+        benchmark_file("scale")
+    threads: rule_threads("scale")
+    resources:
+        mem_mb=rule_mem_mb("scale"),
+        runtime=rule_runtime("scale"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/scale.py"
+
+
+rule pca:
+    input:
+        input=store("scale"),
+    output:
+        output=directory(store("pca")),
+        summary=summary_json("pca"),
+    params:
+        **stage_params("pca"),
+    log:
+        log_file("pca"),
+    benchmark:
+        benchmark_file("pca")
+    threads: rule_threads("pca")
+    resources:
+        mem_mb=rule_mem_mb("pca"),
+        runtime=rule_runtime("pca"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/pca.py"
+
+
+rule score_genes:
+    input:
+        input=store("log1p"),
+        gene_lists=score_genes_files,
+    output:
+        output=directory(store("score_genes")),
+        summary=summary_json("score_genes"),
+    params:
+        **stage_params("score_genes", exclude=["enabled", "gene_list", "s_genes", "g2m_genes"]),
+        gene_list=_resolved("score_genes", "gene_list"),
+        s_genes=_resolved("score_genes", "s_genes"),
+        g2m_genes=_resolved("score_genes", "g2m_genes"),
+    log:
+        log_file("score_genes"),
+    benchmark:
+        benchmark_file("score_genes")
+    threads: rule_threads("score_genes")
+    resources:
+        mem_mb=rule_mem_mb("score_genes"),
+        runtime=rule_runtime("score_genes"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/score_genes.py"
