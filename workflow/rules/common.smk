@@ -360,8 +360,9 @@ def start_shared_cluster():
 
     Its scheduler file goes to the jobs through ATLASFLOW_SCHEDULER_FILE (local jobs inherit the
     environment). Skipped, with a log line, where it cannot serve the jobs: under a cluster executor
-    (onstart runs on the submit host), when dask.scheduler_file/address already name a cluster, or when
-    the stages run in another Python (conda/apptainer) or atlasflow is not importable here.
+    (onstart runs on the submit host), when dask.scheduler_file/address already name a cluster, for the
+    gpu/auto backends, or when the stages run in another Python (conda/apptainer) or atlasflow is not
+    importable here.
     """
     from snakemake.logging import logger
 
@@ -375,6 +376,10 @@ def start_shared_cluster():
     if config["dask"]["scheduler_file"] or config["dask"]["address"] or os.environ.get("ATLASFLOW_SCHEDULER_FILE"):
         logger.info("atlasflow: dask.shared_cluster not started: the stages attach to the cluster named by "
                     "dask.scheduler_file/address (or ATLASFLOW_SCHEDULER_FILE)")
+        return
+    if config["backend"] != "cpu":  # the shared workers are CPU workers
+        logger.info(f"atlasflow: dask.shared_cluster not started for backend {config['backend']}: each stage "
+                    "starts its own (GPU) cluster")
         return
     if workflow.deployment_settings.deployment_method:  # conda/apptainer: the stages' Python is not this one
         logger.info("atlasflow: dask.shared_cluster not started: stages run in conda/apptainer environments, "
@@ -430,3 +435,31 @@ def check_resources():
                          + f"; known: {', '.join(known)}")
         raise WorkflowError("invalid configuration:\n  " + "\n  ".join(lines))
 
+
+# ------------------------------------------------------------------------------------------ features.smk inputs
+
+
+def hvg_inputs(wildcards):
+    """hvg reads log1p; the count-based flavors also read the filter stage's raw counts as `counts`."""
+    flavor = dataset_config(wildcards.dataset, "hvg")["flavor"]
+    inputs = {"input": store("log1p").format(**wildcards)}
+    if flavor in ("seurat_v3", "seurat_v3_paper", "poisson_gene_selection"):
+        inputs["counts"] = store("filter").format(**wildcards)
+    return inputs
+
+
+def scale_input(wildcards):
+    """scale reads regress_out's store when regress_out.enabled, else subset's."""
+    stage = "regress_out" if dataset_config(wildcards.dataset, "regress_out")["enabled"] else "subset"
+    return store(stage).format(**wildcards)
+
+
+def score_genes_files(wildcards):
+    """Gene-list files of score_genes, tracked so that editing one re-runs the stage."""
+    cfg = dataset_config(wildcards.dataset, "score_genes")
+    return [resolve_resource(cfg[k]) for k in ("gene_list", "s_genes", "g2m_genes")
+            if cfg[k] and os.path.exists(str(resolve_resource(cfg[k])))]
+
+
+def _resolved(stage, key):
+    return lambda wildcards: resolve_resource(dataset_config(wildcards.dataset, stage)[key])

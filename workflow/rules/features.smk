@@ -6,32 +6,6 @@
 PIPELINE.extend(["hvg", "subset", "scale", "pca"])
 
 
-def hvg_inputs(wildcards):
-    """hvg reads log1p; the count-based flavors also read the filter stage's raw counts as `counts`."""
-    flavor = dataset_config(wildcards.dataset, "hvg")["flavor"]
-    inputs = {"input": store("log1p").format(**wildcards)}
-    if flavor in ("seurat_v3", "seurat_v3_paper", "poisson_gene_selection"):
-        inputs["counts"] = store("filter").format(**wildcards)
-    return inputs
-
-
-def scale_input(wildcards):
-    """scale reads regress_out's store when regress_out.enabled, else subset's."""
-    stage = "regress_out" if dataset_config(wildcards.dataset, "regress_out")["enabled"] else "subset"
-    return store(stage).format(**wildcards)
-
-
-def score_genes_files(wildcards):
-    """Gene-list files of score_genes, tracked so that editing one re-runs the stage."""
-    cfg = dataset_config(wildcards.dataset, "score_genes")
-    return [resolve_resource(cfg[k]) for k in ("gene_list", "s_genes", "g2m_genes")
-            if cfg[k] and os.path.exists(str(resolve_resource(cfg[k])))]
-
-
-def _resolved(stage, key):
-    return lambda wildcards: resolve_resource(dataset_config(wildcards.dataset, stage)[key])
-
-
 rule hvg:
     input:
         unpack(hvg_inputs),

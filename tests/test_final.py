@@ -1,0 +1,89 @@
+"""Final store: scanpy opens it, sc.pl.umap plots it, X/counts are hard links, h5ad export round-trips."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import anndata as ad  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import scanpy as sc  # noqa: E402
+from _report_stores import N_CELLS, N_GENES, N_HVG, build  # noqa: E402
+
+from atlasflow.cli import stage_main  # noqa: E402
+from atlasflow.stages import final as stage  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("stores"))
+
+
+def _argv(paths, out, *extra):
+    return ["--input", str(paths["log1p"]), "--output", str(out), "--counts", str(paths["filter"]),
+            "--hvg-store", str(paths["hvg"]), "--embedding-store", str(paths["umap"]),
+            "--markers-store", str(paths["rank_genes_groups"]), *extra]
+
+
+@pytest.fixture(scope="module")
+def final_store(stores, tmp_path_factory):
+    paths, _ = stores
+    out = tmp_path_factory.mktemp("final") / "final.zarr"
+    assert stage_main(stage, argv=_argv(paths, out)) == 0
+    return out
+
+
+def test_final_opens_in_scanpy(stores, final_store):
+    paths, ref = stores
+    a = ad.read_zarr(final_store)
+    assert a.shape == (N_CELLS, N_GENES)
+    np.testing.assert_allclose(a.X.toarray(), ref.X.toarray(), rtol=1e-6)
+    np.testing.assert_array_equal(a.layers["counts"].toarray(), ad.read_zarr(paths["filter"]).X.toarray())
+    assert {"leiden", "sample", "total_counts", "pct_counts_mt"} <= set(a.obs.columns)
+    assert {"highly_variable", "means", "dispersions_norm", "mean_counts"} <= set(a.var.columns)
+    assert a.obsm["X_umap"].shape == (N_CELLS, 2) and a.obsm["X_pca"].shape == (N_CELLS, 10)
+    assert {"connectivities", "distances"} <= set(a.obsp)
+    assert {"pca", "neighbors", "leiden", "umap", "rank_genes_groups", "leiden_colors"} <= set(a.uns)
+    pcs = a.varm["PCs"]
+    assert pcs.shape == (N_GENES, 10)
+    hv = a.var["highly_variable"].to_numpy()
+    assert hv.sum() == N_HVG and np.all(pcs[~hv] == 0) and np.any(pcs[hv] != 0)
+    sc.pl.umap(a, color="leiden", show=False)
+    sc.pl.rank_genes_groups_dotplot(a, n_genes=2, show=False)
+    plt.close("all")
+
+
+def test_matrices_are_linked(stores, final_store):
+    paths, _ = stores
+    for key, src in (("X", paths["log1p"] / "X"), ("layers/counts", paths["filter"] / "X")):
+        for sub in ("data", "indices", "indptr"):
+            chunk = src / sub / "c" / "0"
+            assert os.stat(final_store / key / sub / "c" / "0").st_ino == os.stat(chunk).st_ino, (key, sub)
+
+
+def test_h5ad_export_round_trips(stores, tmp_path, final_store):
+    paths, _ = stores
+    h5 = tmp_path / "final.h5ad"
+    out = tmp_path / "final.zarr"
+    assert stage_main(stage, argv=_argv(paths, out, "--h5ad", str(h5))) == 0
+    a, b = sc.read_h5ad(h5), ad.read_zarr(final_store)
+    np.testing.assert_array_equal(a.X.toarray(), b.X.toarray())
+    np.testing.assert_array_equal(a.layers["counts"].toarray(), b.layers["counts"].toarray())
+    assert a.obs.equals(b.obs) and a.var.equals(b.var)
+    np.testing.assert_array_equal(a.obsm["X_umap"], b.obsm["X_umap"])
+    assert set(a.uns) == set(b.uns)
+
+
+def test_h5ad_export_skipped_above_limit(stores, tmp_path):
+    paths, _ = stores
+    h5 = tmp_path / "big.h5ad"
+    argv = _argv(paths, tmp_path / "f.zarr", "--h5ad", str(h5), "--h5ad-max-gb", "1e-9",
+                 "--summary", str(tmp_path / "f.json"))
+    assert stage_main(stage, argv=argv) == 0
+    assert not h5.exists()
+    assert "h5ad_max_gb" in json.loads((tmp_path / "f.json").read_text())["h5ad_skipped"]

@@ -1,0 +1,92 @@
+# Graph: neighbors -> leiden -> umap on obsm X_pca (in memory; X is linked, never read), louvain optional.
+
+
+PIPELINE.extend(["neighbors", "leiden", "umap"])
+
+
+rule neighbors:
+    input:
+        input=store("pca"),
+    output:
+        output=directory(store("neighbors")),
+        summary=summary_json("neighbors"),
+    params:
+        **stage_params("neighbors"),
+    log:
+        log_file("neighbors"),
+    benchmark:
+        benchmark_file("neighbors")
+    threads: rule_threads("neighbors")
+    resources:
+        mem_mb=rule_mem_mb("neighbors"),
+        runtime=rule_runtime("neighbors"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/neighbors.py"
+
+
+rule leiden:
+    input:
+        input=store("neighbors"),
+    output:
+        output=directory(store("leiden")),
+        summary=summary_json("leiden"),
+    params:
+        **stage_params("leiden"),
+    log:
+        log_file("leiden"),
+    benchmark:
+        benchmark_file("leiden")
+    threads: rule_threads("leiden")
+    resources:
+        mem_mb=rule_mem_mb("leiden"),
+        runtime=rule_runtime("leiden"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/leiden.py"
+
+
+rule umap:
+    input:
+        input=store("leiden"),
+    output:
+        output=directory(store("umap")),
+        summary=summary_json("umap"),
+    params:
+        **stage_params("umap"),
+    log:
+        log_file("umap"),
+    benchmark:
+        benchmark_file("umap")
+    threads: rule_threads("umap")
+    resources:
+        mem_mb=rule_mem_mb("umap"),
+        runtime=rule_runtime("umap"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/umap.py"
+
+
+rule louvain:
+    input:
+        input=store("neighbors"),
+    output:
+        output=directory(store("louvain")),
+        summary=summary_json("louvain"),
+    params:
+        **stage_params("louvain", exclude=["enabled"]),
+    log:
+        log_file("louvain"),
+    benchmark:
+        benchmark_file("louvain")
+    threads: rule_threads("louvain")
+    resources:
+        mem_mb=rule_mem_mb("louvain"),
+        runtime=rule_runtime("louvain"),
+    conda:
+        "../../envs/cpu.yaml"
+    script:
+        "../../scripts/louvain.py"
