@@ -146,7 +146,7 @@ def built(workdir, dask_address):
     write_config(workdir, {**TINY_CONFIG, "dask": {"address": dask_address[0]}})
     snakemake(workdir)
     reference = workdir / "reference"
-    for stage in STAGES:
+    for stage in [*STAGES, "final"]:
         shutil.copytree(results(workdir, stage), reference / f"{stage}.zarr")
     return workdir
 
@@ -242,6 +242,13 @@ def test_end_to_end_outputs(built):
         assert "done in" in (built / "logs" / DATASET / f"{stage}.log").read_text()
         assert (built / "logs" / DATASET / f"{stage}.benchmark.tsv").exists()
     assert json.loads((built / "results" / DATASET / "filter.json").read_text())["cells_out"] == filtered.n_obs
+    # the rest of the chain, to the final store, the figures and the marker table
+    final = ad.read_zarr(results(built, "final"))
+    assert final.shape == filtered.shape
+    assert {"X_pca", "X_umap"} <= set(final.obsm) and "leiden" in final.obs and "counts" in final.layers
+    assert "rank_genes_groups" in final.uns
+    assert (built / "results" / DATASET / "rank_genes_groups.csv").stat().st_size > 0
+    assert len(list((built / "results" / DATASET / "plots").glob("*.png"))) >= 5
 
 
 @pytest.mark.slow
@@ -254,10 +261,13 @@ def test_rerun_does_nothing(built):
 def test_changed_parameter_reruns_its_stage_and_downstream(built):
     write_config(built, {"filter": {"min_genes": 70}}, "changed.yaml")
     jobs = planned_jobs(built, configfiles=("config.yaml", "changed.yaml"))
-    assert jobs == {"filter": 1, "normalize": 1, "log1p": 1}
-    # a dataset override of the same key does the same
+    assert {"filter", "normalize", "log1p", "pca", "final"} <= set(jobs)
+    assert not {"simulate", "qc"} & set(jobs)
+    # a dataset override of a later stage's key re-runs from that stage on
     write_config(built, {"datasets": {DATASET: {"overrides": {"normalize": {"target_sum": 5000}}}}}, "override.yaml")
-    assert planned_jobs(built, configfiles=("config.yaml", "override.yaml")) == {"normalize": 1, "log1p": 1}
+    jobs = planned_jobs(built, configfiles=("config.yaml", "override.yaml"))
+    assert {"normalize", "log1p", "final"} <= set(jobs)
+    assert not {"simulate", "qc", "filter"} & set(jobs)
 
 
 @pytest.mark.slow
@@ -276,10 +286,10 @@ def rules_run(output: str) -> list[str]:
 @pytest.mark.slow
 def test_deleted_stage_reruns_alone(built):
     """Deleting the last store re-runs that stage only, with the same result."""
-    shutil.rmtree(results(built, "log1p"))
+    shutil.rmtree(results(built, "final"))
     proc = snakemake(built)
-    assert rules_run(proc.stdout) == ["log1p", "all"], proc.stdout
-    assert_same_store(results(built, "log1p"), built / "reference" / "log1p.zarr")
+    assert rules_run(proc.stdout) == ["final", "all"], proc.stdout
+    assert_same_store(results(built, "final"), built / "reference" / "final.zarr")
 
 
 @pytest.mark.slow
@@ -325,7 +335,29 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address):
     proc = snakemake(built, target)
     assert rules_run(proc.stdout) == ["normalize"], proc.stdout
     assert_same_store(store, built / "reference" / "normalize.zarr")
-    # the rebuilt store is newer than log1p's, which is therefore brought up to date
+    # the rebuilt store is newer than log1p's, which is therefore brought up to date (and what follows)
     proc = snakemake(built)
-    assert rules_run(proc.stdout) == ["log1p", "all"], proc.stdout
+    ran = rules_run(proc.stdout)
+    assert ran[0] == "log1p" and "final" in ran and "normalize" not in ran, proc.stdout
     assert_same_store(results(built, "log1p"), built / "reference" / "log1p.zarr")
+    assert_same_store(results(built, "final"), built / "reference" / "final.zarr")
+
+
+def test_concurrent_run_is_refused(tmp_path, dask_address):
+    """A second snakemake on the same results folder while one runs is refused by Snakemake's lock."""
+    write_config(tmp_path, {**TINY_CONFIG, "dask": {"address": dask_address[0]}})
+    first = subprocess.Popen(snakemake_cmd(tmp_path, f"results/{DATASET}/qc.zarr"), cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not any((tmp_path / ".snakemake" / "locks").glob("*")):
+            assert first.poll() is None, first.stdout.read()
+            assert time.time() < deadline
+            time.sleep(0.05)
+        second = snakemake(tmp_path, f"results/{DATASET}/qc.zarr", check=False)
+        assert second.returncode != 0
+        assert "cannot be locked" in second.stdout, second.stdout
+        assert first.wait(timeout=180) == 0, first.stdout.read()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
