@@ -1,0 +1,102 @@
+"""leiden stage: Leiden clustering of the neighbourhood graph (scanpy.tl.leiden); needs no Dask cluster.
+
+Reads the graph (obsp/uns) of the input store; X is linked. Adds ``obs[key_added]`` for ``resolution``
+and ``obs[key_added + '_r<res>']`` for each of ``resolutions``, with ``uns[<key>]['params']``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from atlasflow.errors import ConfigError
+from atlasflow.stages._common import json_arg, shape_summary
+from atlasflow.stages.neighbors import optional_int, to_int
+from atlasflow.store import open_store, write_store
+from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
+
+DESCRIPTION = ("Leiden clustering of the neighbors graph (scanpy.tl.leiden): obs['leiden'] (+ one column per "
+               "extra resolution); X is linked, not copied.")
+NEEDS_CLUSTER = False
+log = logging.getLogger(__name__)
+
+
+def optional_bool(text):
+    """argparse type: true/false, or none/null for 'as scanpy decides' (bools from Snakemake pass through)."""
+    if text is None or isinstance(text, bool):
+        return text
+    t = str(text).lower()
+    if t in ("none", "null", ""):
+        return None
+    if t in ("true", "yes", "1"):
+        return True
+    if t in ("false", "no", "0"):
+        return False
+    raise ConfigError(f"expected true, false or none, not {text!r}")
+
+
+def to_floats(values, name: str) -> list[float]:
+    """A list of numbers from the CLI list or a Snakemake param (number, list or comma-separated string)."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [v for v in values.replace(",", " ").split() if v]
+    elif not isinstance(values, list | tuple):
+        values = [values]
+    try:
+        return [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be numbers, not {values!r}") from None
+
+
+def add_cluster_arguments(p, *, algorithm: str, resolution_default):
+    """Arguments shared by the leiden and louvain stages (scanpy's names)."""
+    p.add_argument("--resolution", type=float, default=resolution_default,
+                   help=f"resolution of obs['{algorithm}'] (higher: more clusters)")
+    p.add_argument("--resolutions", type=float, nargs="*", default=[],
+                   help=f"more resolutions, one column each: obs['{algorithm}_r<res>']")
+    p.add_argument("--random-state", dest="random_state", type=optional_int, default=0, help="seed")
+    p.add_argument("--restrict-to", dest="restrict_to", type=json_arg, default=None,
+                   help='JSON ["obs_key", ["category", ...]]: re-cluster only these cells')
+    p.add_argument("--key-added", dest="key_added", default=algorithm, help="obs/uns key of the labels")
+    p.add_argument("--neighbors-key", dest="neighbors_key", default=None,
+                   help="cluster the graph of uns[KEY]; none: uns['neighbors']")
+    p.add_argument("--obsp", default=None, help="cluster obsp[OBSP] instead of the neighbors connectivities")
+
+
+def cluster_summary(adata, keys: list[str]) -> dict:
+    """Clusters and sizes per added column, for the stage summary."""
+    return {
+        "clusters": {k: int(adata.obs[k].cat.categories.size) for k in keys},
+        "cluster_sizes": {k: cluster_sizes(adata.obs[k]) for k in keys},
+    }
+
+
+def add_arguments(p):
+    add_cluster_arguments(p, algorithm="leiden", resolution_default=1.0)
+    p.add_argument("--flavor", choices=LEIDEN_FLAVORS, default="igraph",
+                   help="igraph (community_leiden, modularity; scanpy's recommendation) or leidenalg")
+    p.add_argument("--n-iterations", dest="n_iterations", type=int, default=2,
+                   help="Leiden iterations (-1: until the partition is stable)")
+    p.add_argument("--directed", type=optional_bool, default=None,
+                   help="treat the graph as directed; none: false for igraph, true for leidenalg, as scanpy")
+    p.add_argument("--use-weights", dest="use_weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="use the connectivities as edge weights")
+
+
+def run(args, client) -> dict:
+    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    resolutions = to_floats(args.resolutions, "resolutions")
+    restrict_to = json_arg(args.restrict_to)
+    leiden(
+        adata, args.resolution, resolutions=resolutions, restrict_to=restrict_to,
+        random_state=optional_int(args.random_state), key_added=args.key_added,
+        directed=optional_bool(args.directed), use_weights=bool(args.use_weights),
+        n_iterations=to_int(args.n_iterations, "n_iterations"), neighbors_key=args.neighbors_key,
+        obsp=args.obsp, flavor=args.flavor,
+    )
+    keys = output_keys("leiden", args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
+                       resolutions=resolutions)
+    write_store(adata, args.output, chunk_rows=args.chunk_rows,
+                provenance={"stage": "leiden", "keys": keys, "flavor": args.flavor})
+    return {**shape_summary(adata, adata), "flavor": args.flavor, **cluster_summary(adata, keys)}

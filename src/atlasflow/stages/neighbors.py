@@ -1,0 +1,99 @@
+"""neighbors stage: kNN graph of the PCA embedding (scanpy.pp.neighbors); needs no Dask cluster.
+
+Reads only ``obsm[use_rep]`` (X_pca by default) of the input store; X and layers are linked into the
+output, which gains ``obsp['distances']``, ``obsp['connectivities']`` and ``uns['neighbors']``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from atlasflow.errors import ConfigError
+from atlasflow.stages._common import json_arg, shape_summary
+from atlasflow.store import open_store, write_store
+from atlasflow.tl.neighbors import KNN_METHODS, METHODS, choose_knn_method, neighbors
+
+DESCRIPTION = ("kNN graph on obsm['X_pca'] (scanpy.pp.neighbors): obsp['distances'/'connectivities'], "
+               "uns['neighbors']; X is linked, not copied.")
+NEEDS_CLUSTER = False
+log = logging.getLogger(__name__)
+
+
+def optional_int(text):
+    """argparse type: an int, or none/null for 'not set' (values from Snakemake pass through)."""
+    if text is None or (isinstance(text, str) and text.lower() in ("none", "null", "")):
+        return None
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"expected an integer, not {text!r}") from None
+
+
+def to_int(value, name: str) -> int:
+    """``value`` as an int (Snakemake params arrive unconverted), or a ConfigError naming ``name``."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be an integer, not {value!r}") from None
+
+
+def add_arguments(p):
+    p.add_argument("--n-neighbors", dest="n_neighbors", type=int, default=15,
+                   help="neighbours per cell, the cell itself included (as scanpy)")
+    p.add_argument("--n-pcs", dest="n_pcs", type=optional_int, default=None,
+                   help="use the first n_pcs columns of the embedding; none: all")
+    p.add_argument("--use-rep", dest="use_rep", default=None, help="obsm key of the embedding; none: X_pca")
+    p.add_argument("--knn-method", dest="knn_method", choices=KNN_METHODS, default="auto",
+                   help="exact (brute force) or pynndescent; auto: exact below 8192 cells (euclidean), as scanpy")
+    p.add_argument("--method", choices=METHODS, default="umap",
+                   help="connectivities: UMAP fuzzy simplicial set or Gaussian kernel")
+    p.add_argument("--metric", default="euclidean", help="distance metric (sklearn/pynndescent name)")
+    p.add_argument("--metric-kwds", dest="metric_kwds", type=json_arg, default={}, help="JSON options of the metric")
+    p.add_argument("--random-state", dest="random_state", type=optional_int, default=0,
+                   help="seed of the approximate search")
+    p.add_argument("--key-added", dest="key_added", default=None,
+                   help="store as uns[KEY], obsp[KEY_distances], obsp[KEY_connectivities]")
+    p.add_argument("--n-jobs", dest="n_jobs", type=optional_int, default=1,
+                   help="threads of the kNN search; pynndescent's graph depends on it (1: reproducible anywhere, "
+                        "as scanpy; more: faster)")
+
+
+def run(args, client) -> dict:
+    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    n_neighbors = to_int(args.n_neighbors, "n_neighbors")
+    n_pcs = optional_int(args.n_pcs)
+    metric_kwds = json_arg(args.metric_kwds) or {}
+    if not isinstance(metric_kwds, dict):
+        raise ConfigError(f"metric_kwds must be a JSON object, not {metric_kwds!r}")
+    used = choose_knn_method(adata.n_obs, args.metric, args.knn_method)
+    t0 = time.time()
+    neighbors(
+        adata, n_neighbors, n_pcs, use_rep=args.use_rep, knn_method=args.knn_method, method=args.method,
+        metric=args.metric, metric_kwds=metric_kwds, random_state=optional_int(args.random_state),
+        key_added=args.key_added, n_jobs=optional_int(args.n_jobs),
+    )
+    graph_seconds = time.time() - t0
+    key = args.key_added or "neighbors"
+    info = adata.uns[key]
+    conn = adata.obsp[info["connectivities_key"]]
+    from scipy.sparse.csgraph import connected_components
+
+    n_comp = int(connected_components(conn, directed=False)[0])
+    log.info("neighbors: %d connected components, %.1f edges per cell", n_comp, conn.nnz / max(adata.n_obs, 1))
+    write_store(adata, args.output, chunk_rows=args.chunk_rows,
+                provenance={"stage": "neighbors", "params": info["params"], "knn_method": used})
+    emb = adata.obsm[args.use_rep or "X_pca"]
+    return {
+        **shape_summary(adata, adata),
+        "knn_method": used,
+        "n_neighbors": n_neighbors,
+        "n_dims": int(n_pcs if n_pcs is not None else np.shape(emb)[1]),
+        "method": args.method,
+        "metric": args.metric,
+        "connected_components": n_comp,
+        "edges_per_cell": round(conn.nnz / max(adata.n_obs, 1), 3),
+        "graph_seconds": round(graph_seconds, 3),
+    }

@@ -1,0 +1,62 @@
+"""umap stage: UMAP layout of the neighbourhood graph (scanpy.tl.umap); needs no Dask cluster.
+
+Reads the graph (obsp/uns) and the embedding it was built on from the input store; X is linked. Adds
+``obsm['X_umap']`` and ``uns['umap']['params']``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import numpy as np
+
+from atlasflow.stages._common import optional_float, shape_summary
+from atlasflow.stages.neighbors import optional_int, to_int
+from atlasflow.store import open_store, write_store
+from atlasflow.tl.umap import umap
+
+DESCRIPTION = "UMAP of the neighbors graph (scanpy.tl.umap): obsm['X_umap'], uns['umap']; X is linked, not copied."
+NEEDS_CLUSTER = False
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p):
+    p.add_argument("--min-dist", dest="min_dist", type=float, default=0.5, help="minimum distance of embedded points")
+    p.add_argument("--spread", type=float, default=1.0, help="scale of the embedded points")
+    p.add_argument("--n-components", dest="n_components", type=int, default=2, help="dimensions of the layout")
+    p.add_argument("--maxiter", type=optional_int, default=None,
+                   help="epochs; none: 500 up to 10,000 cells, 200 above")
+    p.add_argument("--alpha", type=float, default=1.0, help="initial learning rate")
+    p.add_argument("--gamma", type=float, default=1.0, help="weight of negative samples")
+    p.add_argument("--negative-sample-rate", dest="negative_sample_rate", type=int, default=5,
+                   help="negative samples per positive edge")
+    p.add_argument("--init-pos", dest="init_pos", default="spectral", help="spectral, random or an obsm key")
+    p.add_argument("--random-state", dest="random_state", type=optional_int, default=0, help="seed")
+    p.add_argument("--a", type=optional_float, default=None, help="curve parameter a; none: fitted to min_dist/spread")
+    p.add_argument("--b", type=optional_float, default=None, help="curve parameter b; none: fitted to min_dist/spread")
+    p.add_argument("--key-added", dest="key_added", default=None, help="store as obsm[KEY] and uns[KEY]")
+    p.add_argument("--neighbors-key", dest="neighbors_key", default="neighbors", help="graph of uns[KEY]")
+    p.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=False,
+                   help="numba-parallel optimisation: faster, not reproducible")
+
+
+def run(args, client) -> dict:
+    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    umap(
+        adata, min_dist=float(args.min_dist), spread=float(args.spread),
+        n_components=to_int(args.n_components, "n_components"), maxiter=optional_int(args.maxiter),
+        alpha=float(args.alpha), gamma=float(args.gamma),
+        negative_sample_rate=to_int(args.negative_sample_rate, "negative_sample_rate"), init_pos=args.init_pos,
+        random_state=optional_int(args.random_state), a=optional_float(args.a), b=optional_float(args.b),
+        key_added=args.key_added, neighbors_key=args.neighbors_key, parallel=bool(args.parallel),
+    )
+    key_obsm, key_uns = ("X_umap", "umap") if args.key_added is None else (args.key_added, args.key_added)
+    write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "umap"})
+    emb = np.asarray(adata.obsm[key_obsm])
+    params = adata.uns[key_uns]["params"]
+    return {
+        **shape_summary(adata, adata),
+        "a": float(params["a"]), "b": float(params["b"]),
+        "extent": [[float(v) for v in emb.min(axis=0)], [float(v) for v in emb.max(axis=0)]],
+    }

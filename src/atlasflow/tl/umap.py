@@ -1,0 +1,107 @@
+"""UMAP layout of the neighbourhood graph with scanpy's semantics (``scanpy.tl.umap``).
+
+Like scanpy, the graph of ``neighbors`` is embedded directly with umap-learn's
+``simplicial_set_embedding`` (no second kNN search); parameters, defaults, epochs (500 up to 10,000
+cells, 200 above) and outputs (``obsm['X_umap']``, ``uns['umap']['params'] = {'a', 'b'}``) are scanpy's,
+so the same graph and seed give scanpy's coordinates.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import anndata as ad
+import numpy as np
+
+from atlasflow.errors import ConfigError, InputError
+from atlasflow.tl.neighbors import representation
+
+log = logging.getLogger(__name__)
+
+INIT_POS = ("spectral", "random")
+
+
+def umap(
+    adata: ad.AnnData,
+    *,
+    min_dist: float = 0.5,
+    spread: float = 1.0,
+    n_components: int = 2,
+    maxiter: int | None = None,
+    alpha: float = 1.0,
+    gamma: float = 1.0,
+    negative_sample_rate: int = 5,
+    init_pos: str | np.ndarray | None = "spectral",
+    random_state: int = 0,
+    a: float | None = None,
+    b: float | None = None,
+    key_added: str | None = None,
+    neighbors_key: str = "neighbors",
+    parallel: bool = False,
+    copy: bool = False,
+) -> ad.AnnData | None:
+    """Embed the graph ``uns[neighbors_key]`` in ``n_components`` dimensions (scanpy.tl.umap).
+
+    ``init_pos``: 'spectral', 'random', an ``obsm`` key or an array. ``parallel=True`` uses numba threads
+    in the optimisation: faster on many cores but not reproducible (umap-learn's caveat), so off by default.
+    """
+    adata = adata.copy() if copy else adata
+    key_obsm, key_uns = ("X_umap", "umap") if key_added is None else (key_added, key_added)
+    neigh = adata.uns.get(neighbors_key)
+    conns_key = neigh.get("connectivities_key", "connectivities") if isinstance(neigh, dict) else None
+    if conns_key is None or conns_key not in adata.obsp:
+        raise InputError(
+            f"neighbors_key: the input has no neighbourhood graph uns[{neighbors_key!r}] (uns holds "
+            f"{sorted(adata.uns) or 'nothing'}); run the neighbors stage first (scripts/neighbors.py)"
+        )
+    if min_dist < 0 or spread <= 0 or min_dist > spread:
+        raise ConfigError(f"need 0 <= min_dist <= spread and spread > 0 (min_dist={min_dist}, spread={spread})")
+    if int(n_components) < 1:
+        raise ConfigError(f"n_components must be at least 1, not {n_components}")
+    if maxiter is not None and int(maxiter) < 0:
+        raise ConfigError(f"maxiter must be >= 0, not {maxiter}")
+    if int(negative_sample_rate) < 1:
+        raise ConfigError(f"negative_sample_rate must be at least 1, not {negative_sample_rate}")
+    params = neigh.get("params", {})
+    if params.get("method") != "umap":
+        log.warning("umap: obsp[%r] was not computed with method='umap'", conns_key)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Tensorflow not installed")
+        from umap.umap_ import find_ab_params, simplicial_set_embedding
+    from sklearn.utils import check_array, check_random_state
+
+    if a is None or b is None:
+        a, b = find_ab_params(spread, min_dist)
+    adata.uns[key_uns] = {"params": {"a": a, "b": b}}
+    if isinstance(init_pos, str) and init_pos in adata.obsm:
+        init = adata.obsm[init_pos]
+    elif isinstance(init_pos, str):
+        if init_pos not in INIT_POS:
+            raise ConfigError(f"init_pos must be {', '.join(INIT_POS)} or an obsm key "
+                              f"({', '.join(sorted(adata.obsm))}), not {init_pos!r}")
+        init = init_pos
+    else:
+        init = "spectral" if init_pos is None else init_pos
+    if hasattr(init, "dtype"):
+        init = check_array(init, dtype=np.float32, accept_sparse=False)
+        if init.shape != (adata.n_obs, int(n_components)):
+            raise InputError(f"init_pos has shape {init.shape}, expected ({adata.n_obs}, {int(n_components)})")
+    if random_state != 0:
+        adata.uns[key_uns]["params"]["random_state"] = random_state
+    # the embedding enters only through the connected components of the spectral initialisation
+    x = representation(adata, params.get("use_rep"), params.get("n_pcs"))
+    graph = adata.obsp[conns_key].tocoo()
+    n_epochs = (500 if graph.shape[0] <= 10000 else 200) if maxiter is None else int(maxiter)
+    log.info("umap: %d cells, %d epochs, init %s", graph.shape[0], n_epochs,
+             init if isinstance(init, str) else "array")
+    emb, _ = simplicial_set_embedding(
+        data=x, graph=graph, n_components=int(n_components), initial_alpha=alpha, a=a, b=b, gamma=gamma,
+        negative_sample_rate=int(negative_sample_rate), n_epochs=n_epochs, init=init,
+        random_state=check_random_state(random_state), metric=params.get("metric", "euclidean"),
+        metric_kwds=params.get("metric_kwds", {}), densmap=False, densmap_kwds={}, output_dens=False,
+        parallel=bool(parallel), verbose=False,
+    )
+    adata.obsm[key_obsm] = emb
+    return adata if copy else None

@@ -1,0 +1,341 @@
+"""neighbors, leiden, louvain and umap stages: scanpy oracle on pbmc3k, biology, determinism, bad inputs.
+
+The PCA embedding comes from scanpy's tutorial pipeline (these stages never read X), written into an
+atlasflow store together with the log-normalised X, which the stages only link.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anndata as ad
+import dask.array as da
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+from sklearn.metrics import adjusted_rand_score
+
+from atlasflow.cli import stage_main
+from atlasflow.stages import leiden as leiden_stage
+from atlasflow.stages import louvain as louvain_stage
+from atlasflow.stages import neighbors as neighbors_stage
+from atlasflow.stages import umap as umap_stage
+from atlasflow.store import open_store, write_store
+from atlasflow.tl import cluster
+from atlasflow.tl.neighbors import choose_knn_method, knn, neighbors
+
+N_NEIGHBORS, N_PCS, RESOLUTION = 10, 40, 1.0
+MARKERS = {  # published pbmc3k markers -> Seurat labels their top cluster may carry
+    "IL7R": {"Naive CD4 T", "Memory CD4 T"}, "CD14": {"CD14+ Mono"}, "LYZ": {"CD14+ Mono", "DC"},
+    "MS4A1": {"B"}, "CD8A": {"CD8 T"}, "GNLY": {"NK"}, "NKG7": {"NK"}, "FCGR3A": {"FCGR3A+ Mono"},
+    "MS4A7": {"FCGR3A+ Mono"}, "FCER1A": {"DC"}, "CST3": {"DC", "CD14+ Mono"}, "PPBP": {"Platelet"},
+}
+
+
+def _store(path: Path, x, obs, var, obsm=None) -> Path:
+    """An atlasflow store whose X is a small Dask CSR array (as a stage would leave it) plus obsm."""
+    x = sp.csr_matrix(x, dtype=np.float32)
+    X = da.from_array(x, chunks=(1000, x.shape[1]), asarray=False)
+    write_store(ad.AnnData(X=X, obs=obs, var=var, obsm=obsm or {}), path)
+    return path
+
+
+def _run(stage, *argv) -> int:
+    return stage_main(stage, argv=[str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def pbmc_pca(scanpy_pbmc3k):
+    """scanpy's tutorial from log1p to PCA: HVG (seurat), regress_out, scale to 10, PCA (50 comps)."""
+    import scanpy as sc
+
+    a = scanpy_pbmc3k["log1p"].copy()
+    sc.pp.highly_variable_genes(a, flavor="seurat", min_mean=0.0125, max_mean=3, min_disp=0.5)
+    h = a[:, a.var["highly_variable"]].copy()
+    sc.pp.regress_out(h, ["total_counts", "pct_counts_mt"])
+    sc.pp.scale(h, max_value=10)
+    sc.pp.pca(h, svd_solver="covariance_eigh")
+    return h
+
+
+@pytest.fixture(scope="module")
+def pca_store(pbmc_pca, scanpy_pbmc3k, tmp_path_factory) -> Path:
+    """log-normalised pbmc3k (all genes) with obsm['X_pca'] from scanpy, as an atlasflow store."""
+    lg = scanpy_pbmc3k["log1p"]
+    out = tmp_path_factory.mktemp("graph") / "pca.zarr"
+    return _store(out, lg.X, lg.obs, lg.var, {"X_pca": pbmc_pca.obsm["X_pca"]})
+
+
+@pytest.fixture(scope="module")
+def reference(pbmc_pca):
+    """scanpy on the same embedding: neighbors (10 on 40 PCs), leiden (igraph, 2 iterations), umap."""
+    import scanpy as sc
+
+    ref = pbmc_pca.copy()
+    sc.pp.neighbors(ref, n_neighbors=N_NEIGHBORS, n_pcs=N_PCS)
+    sc.tl.leiden(ref, resolution=RESOLUTION, flavor="igraph", n_iterations=2, directed=False, random_state=0)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def stores(pca_store) -> dict[str, Path]:
+    """Our stages chained through stores: neighbors -> leiden (+ resolutions) -> umap."""
+    d = pca_store.parent
+    out = {"pca": pca_store, "neighbors": d / "neighbors.zarr", "leiden": d / "leiden.zarr", "umap": d / "umap.zarr"}
+    assert _run(neighbors_stage, "--input", pca_store, "--output", out["neighbors"],
+                "--n-neighbors", N_NEIGHBORS, "--n-pcs", N_PCS) == 0
+    assert _run(leiden_stage, "--input", out["neighbors"], "--output", out["leiden"],
+                "--resolution", RESOLUTION, "--resolutions", 0.5, 1.0) == 0
+    assert _run(umap_stage, "--input", out["leiden"], "--output", out["umap"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory) -> Path:
+    """60 cells in 3 blobs, 8-dim 'X_pca', X random counts: for the error paths."""
+    rng = np.random.default_rng(0)
+    n = 60
+    emb = (rng.normal(size=(n, 8)) + np.repeat(np.eye(3, 8) * 8, n // 3, axis=0)).astype(np.float32)
+    x = sp.random(n, 30, density=0.3, random_state=1, format="csr") * 10
+    obs = pd.DataFrame({"group": pd.Categorical(np.repeat(["a", "b", "c"], n // 3))},
+                       index=[f"c{i}" for i in range(n)])
+    var = pd.DataFrame(index=[f"g{j}" for j in range(30)])
+    d = tmp_path_factory.mktemp("tiny")
+    pca = _store(d / "pca.zarr", x, obs, var, {"X_pca": emb})
+    assert _run(neighbors_stage, "--input", pca, "--output", d / "neighbors.zarr", "--n-neighbors", 5) == 0
+    return pca
+
+
+# --------------------------------------------------------------------------------------------------
+# neighbors
+
+
+def test_exact_knn_and_graph_match_scanpy(stores, reference):
+    ours = open_store(stores["neighbors"])
+    assert ours.uns["neighbors"]["connectivities_key"] == "connectivities"
+    assert ours.uns["neighbors"]["distances_key"] == "distances"
+    assert dict(ours.uns["neighbors"]["params"]) == reference.uns["neighbors"]["params"]
+    d_ours, d_ref = ours.obsp["distances"].tocsr(), reference.obsp["distances"].tocsr()
+    # same neighbours in the same (distance) order, per row
+    np.testing.assert_array_equal(d_ours.indptr, d_ref.indptr)
+    np.testing.assert_array_equal(d_ours.indices, d_ref.indices)
+    np.testing.assert_allclose(d_ours.data, d_ref.data, rtol=0, atol=1e-6)
+    c_ours, c_ref = ours.obsp["connectivities"].tocsr(), reference.obsp["connectivities"].tocsr()
+    assert c_ours.dtype == c_ref.dtype == np.float32
+    assert (c_ours != c_ref).nnz == 0  # umap-learn's fuzzy union on the same kNN: bit for bit
+    assert abs(c_ours - c_ours.T).max() == 0  # symmetric
+
+
+def test_neighbors_stage_links_x_and_writes_summary(stores):
+    src = next(p for p in sorted((stores["pca"] / "X").rglob("*")) if p.is_file())
+    dst = stores["neighbors"] / "X" / src.relative_to(stores["pca"] / "X")
+    assert os.stat(src).st_ino == os.stat(dst).st_ino  # hard link, not a copy
+    import json
+
+    summary = json.loads(stores["neighbors"].with_suffix(".json").read_text())
+    assert summary["knn_method"] == "exact" and summary["n_neighbors"] == N_NEIGHBORS
+    assert summary["n_dims"] == N_PCS and summary["cells_out"] == 2638
+
+
+def test_gauss_connectivities_match_scanpy(pbmc_pca):
+    import scanpy as sc
+
+    ref, ours = pbmc_pca.copy(), pbmc_pca.copy()
+    sc.pp.neighbors(ref, n_neighbors=N_NEIGHBORS, n_pcs=N_PCS, method="gauss", key_added="g")
+    neighbors(ours, N_NEIGHBORS, N_PCS, method="gauss", key_added="g")
+    assert ours.uns["g"]["connectivities_key"] == "g_connectivities"
+    assert ours.uns["g"]["params"] == ref.uns["g"]["params"]
+    for key in ("g_distances", "g_connectivities"):
+        assert abs(ours.obsp[key] - ref.obsp[key]).max() <= 1e-6
+
+
+@pytest.mark.slow  # numba compiles pynndescent: ~1 min on a busy 2-core machine
+def test_pynndescent_recall_and_determinism(pbmc_pca):
+    x = pbmc_pca.obsm["X_pca"][:, :N_PCS]
+    exact, _, m1 = knn(x, N_NEIGHBORS, knn_method="exact")
+    approx, dist, m2 = knn(x, N_NEIGHBORS, knn_method="pynndescent", random_state=0)
+    assert (m1, m2) == ("exact", "pynndescent")
+    assert choose_knn_method(2638) == "exact"
+    assert choose_knn_method(100_000) == "pynndescent"
+    assert (approx[:, 0] == np.arange(len(x))).all() and (dist[:, 0] == 0).all()
+    hits = [len(set(a[1:]) & set(e[1:])) for a, e in zip(approx, exact, strict=True)]
+    recall = sum(hits) / (len(x) * (N_NEIGHBORS - 1))
+    print(f"pynndescent recall@{N_NEIGHBORS - 1} on pbmc3k: {recall:.4f}")
+    assert recall >= 0.95
+    again, dist2, _ = knn(x, N_NEIGHBORS, knn_method="pynndescent", random_state=0)
+    np.testing.assert_array_equal(again, approx)
+    np.testing.assert_array_equal(dist2, dist)
+
+
+# --------------------------------------------------------------------------------------------------
+# clustering
+
+
+def test_leiden_matches_scanpy(stores, reference):
+    ours = open_store(stores["leiden"])
+    labels, ref = ours.obs["leiden"], reference.obs["leiden"]
+    assert adjusted_rand_score(ref, labels) == 1.0
+    assert ours.uns["leiden"]["params"] == {"resolution": RESOLUTION, "random_state": 0, "n_iterations": 2}
+    # categories '0', '1', ... ordered by cluster size
+    sizes = labels.value_counts(sort=False)
+    assert list(labels.cat.categories) == [str(i) for i in range(len(sizes))]
+    assert (np.diff(sizes.to_numpy()) <= 0).all()
+    # one column per listed resolution; the one equal to the default gives the same labels
+    assert (ours.obs["leiden_r1.0"] == labels).all()
+    assert 2 <= ours.obs["leiden_r0.5"].cat.categories.size <= labels.cat.categories.size
+    assert ours.uns["leiden_r0.5"]["params"]["resolution"] == 0.5
+
+
+@pytest.mark.filterwarnings("ignore:In the future, the default backend for leiden:FutureWarning")
+def test_leidenalg_and_louvain_match_scanpy(stores):
+    import scanpy as sc
+
+    g = open_store(stores["neighbors"])
+    g.X = None
+    ref, ours = g.copy(), g.copy()
+    sc.tl.leiden(ref, resolution=0.8, flavor="leidenalg", n_iterations=2, key_added="la", random_state=3)
+    cluster.leiden(ours, 0.8, flavor="leidenalg", key_added="la", random_state=3)
+    pd.testing.assert_series_equal(ours.obs["la"], ref.obs["la"])  # leidenalg numbers by size as we do
+    with cluster.igraph_seeded(0):  # scanpy's igraph Louvain is unseeded: seed it as we do
+        sc.tl.louvain(ref, flavor="igraph")
+    cluster.louvain(ours)
+    assert adjusted_rand_score(ref.obs["louvain"], ours.obs["louvain"]) == 1.0
+    assert ours.uns["louvain"]["params"] == {"resolution": None, "random_state": 0}
+
+
+def test_restrict_to_matches_scanpy(stores):
+    import scanpy as sc
+
+    ours = open_store(stores["leiden"])
+    ours.X = None
+    ref = ours.copy()
+    sc.tl.leiden(ref, 0.5, restrict_to=("leiden", ["0", "2"]), flavor="igraph", n_iterations=2, directed=False)
+    cluster.leiden(ours, 0.5, restrict_to=("leiden", ["0", "2"]))
+    assert adjusted_rand_score(ref.obs["leiden_R"], ours.obs["leiden_R"]) == 1.0
+    untouched = ~ours.obs["leiden"].isin(["0", "2"])
+    assert (ours.obs["leiden_R"][untouched].astype(str) == ours.obs["leiden"][untouched].astype(str)).all()
+    assert ours.obs["leiden_R"][~untouched].astype(str).str.startswith("0-2,").all()
+
+
+def test_clustering_is_reproducible(stores):
+    g = open_store(stores["neighbors"])
+    g.X = None
+    runs = [cluster.leiden(g, 1.0, copy=True).obs["leiden"] for _ in range(2)]
+    runs += [cluster.louvain(g, 1.0, copy=True).obs["louvain"] for _ in range(2)]
+    pd.testing.assert_series_equal(runs[0], runs[1])
+    pd.testing.assert_series_equal(runs[2], runs[3])
+    assert not cluster.leiden(g, 1.0, random_state=1, copy=True).obs["leiden"].isna().any()
+
+
+def test_biology_agrees_with_seurat_and_markers(stores, scanpy_pbmc3k):
+    ours = open_store(stores["leiden"])
+    labels = ours.obs["leiden"]
+    ann = pd.read_csv(Path(__file__).resolve().parents[1].parent / "shared/data/pbmc3k/seurat_annotations.tsv",
+                      sep="\t", index_col=0).iloc[:, 0].reindex(ours.obs_names)
+    assert ann.notna().all()
+    ari = adjusted_rand_score(ann, labels)
+    print(f"ARI(leiden r={RESOLUTION}, Seurat annotations) = {ari:.3f}, {labels.cat.categories.size} clusters")
+    assert ari >= 0.6
+    majority = pd.crosstab(labels.to_numpy(), ann.to_numpy()).idxmax(axis=1)
+    lg = scanpy_pbmc3k["log1p"]
+    assert (lg.obs_names == ours.obs_names).all()
+    means = pd.DataFrame(lg[:, list(MARKERS)].X.toarray(), columns=list(MARKERS)).groupby(
+        labels.to_numpy(), observed=True).mean()
+    for gene, expected in MARKERS.items():
+        col = means[gene].sort_values(ascending=False)
+        assert col.iloc[0] > col.iloc[1] * 1.05, f"{gene}: no single top cluster ({col.head(2).to_dict()})"
+        assert majority[col.index[0]] in expected, f"{gene}: top cluster {col.index[0]} is {majority[col.index[0]]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# umap
+
+
+def test_umap_matches_scanpy(stores, reference):
+    import scanpy as sc
+
+    ours = open_store(stores["umap"])
+    emb = np.asarray(ours.obsm["X_umap"])
+    assert emb.shape == (2638, 2) and emb.dtype == np.float32
+    ref = reference.copy()
+    sc.tl.umap(ref)  # scanpy end to end: its own graph (bit-identical to ours), same seed
+    assert ours.uns["umap"]["params"] == ref.uns["umap"]["params"]
+    np.testing.assert_array_equal(emb, ref.obsm["X_umap"])
+
+
+def test_umap_is_deterministic(tiny_store):
+    from atlasflow.tl.umap import umap
+
+    g = open_store(tiny_store.parent / "neighbors.zarr")
+    g.X = None
+    a = umap(g, maxiter=50, copy=True).obsm["X_umap"]
+    b = umap(g, maxiter=50, copy=True).obsm["X_umap"]
+    c = umap(g, maxiter=50, random_state=7, copy=True)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c.obsm["X_umap"]) and c.uns["umap"]["params"]["random_state"] == 7
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input: one line naming the parameter, exit 1, nothing written
+
+
+def _fails(capsys, stage, store, out, *args, expect: str):
+    code = _run(stage, "--input", store, "--output", out, *args)
+    err = capsys.readouterr().err.strip().splitlines()
+    name = stage.__name__.rsplit(".", 1)[-1]
+    assert code == 1
+    assert err and err[-1].startswith(f"atlasflow {name}: error:"), err
+    assert expect in err[-1], err[-1]
+    assert not Path(out).exists() and not Path(out).with_suffix(".json").exists()
+    return err[-1]
+
+
+def test_bad_neighbors_inputs(tiny_store, tmp_path, capsys):
+    out = tmp_path / "out.zarr"
+    _fails(capsys, neighbors_stage, tiny_store, out, "--n-neighbors", 60, expect="n_neighbors")
+    _fails(capsys, neighbors_stage, tiny_store, out, "--n-neighbors", 1, expect="n_neighbors")
+    _fails(capsys, neighbors_stage, tiny_store, out, "--n-pcs", 9, expect="n_pcs")
+    _fails(capsys, neighbors_stage, tiny_store, out, "--use-rep", "X_scvi", expect="use_rep")
+    bare = tmp_path / "bare.zarr"
+    g = open_store(tiny_store)
+    _store(bare, g.X.compute(), g.obs, g.var)
+    msg = _fails(capsys, neighbors_stage, bare, out, expect="X_pca")
+    assert "pca stage" in msg
+
+
+def test_bad_cluster_and_umap_inputs(tiny_store, tmp_path, capsys):
+    graph, out = tiny_store.parent / "neighbors.zarr", tmp_path / "out.zarr"
+    _fails(capsys, leiden_stage, graph, out, "--resolution", 0, expect="resolution")
+    _fails(capsys, leiden_stage, graph, out, "--resolutions", 0.5, -1, expect="resolutions")
+    _fails(capsys, louvain_stage, graph, out, "--resolution", -0.1, expect="resolution")
+    _fails(capsys, leiden_stage, graph, out, "--restrict-to", '["nope", ["a"]]', expect="restrict_to")
+    _fails(capsys, leiden_stage, graph, out, "--restrict-to", '["group", ["z"]]', expect="restrict_to")
+    _fails(capsys, louvain_stage, graph, out, "--restrict-to", '["group", ["z"]]', expect="restrict_to")
+    for stage in (leiden_stage, louvain_stage, umap_stage):  # a store without a graph
+        msg = _fails(capsys, stage, tiny_store, out, expect="neighbors")
+        assert "neighbors stage" in msg
+    _fails(capsys, umap_stage, graph, out, "--init-pos", "paga", expect="init_pos")
+    _fails(capsys, leiden_stage, graph, out, "--directed", "true", expect="directed")
+    try:
+        import louvain  # noqa: F401
+    except ImportError:
+        _fails(capsys, louvain_stage, graph, out, "--flavor", "vtraag", expect="louvain package")
+    # restrict_to that exists works, and only re-labels those cells
+    assert _run(leiden_stage, "--input", graph, "--output", out, "--restrict-to", '["group", ["a", "b"]]') == 0
+    lab = open_store(out).obs["leiden_R"].astype(str)
+    assert (lab[:40].str.startswith("a-b,")).all() and (lab[40:] == "c").all()
+
+
+def test_louvain_stage_resolutions(tiny_store, tmp_path):
+    import json
+
+    graph, out = tiny_store.parent / "neighbors.zarr", tmp_path / "louvain.zarr"
+    assert _run(louvain_stage, "--input", graph, "--output", out, "--resolutions", 0.5, 2) == 0
+    got = ad.read_zarr(out)  # plain anndata opens it
+    assert {"louvain", "louvain_r0.5", "louvain_r2.0"} <= set(got.obs.columns)
+    assert got.uns["louvain_r2.0"]["params"]["resolution"] == 2.0
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert set(summary["clusters"]) == {"louvain", "louvain_r0.5", "louvain_r2.0"}
+    assert sum(summary["cluster_sizes"]["louvain"].values()) == 60
