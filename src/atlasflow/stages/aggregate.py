@@ -31,7 +31,7 @@ def add_arguments(p):
     p.add_argument("--layer", default=None, help="aggregate this layer instead of X")
     p.add_argument("--dof", type=int, default=1, help="delta degrees of freedom of var")
     p.add_argument("--csv-prefix", dest="csv_prefix", default=None,
-                   help="CSV files are PREFIX.<func>.csv (default: OUTPUT without .zarr)")
+                   help="CSV files are PREFIX.<func>.csv (none: OUTPUT without .zarr)")
 
 
 def csv_paths(output, funcs, prefix=None) -> dict[str, Path]:

@@ -31,33 +31,33 @@ log = logging.getLogger(__name__)
 def add_arguments(p):
     p.add_argument("--groups-store", dest="groups_store", default=None,
                    help="store whose obs holds the labels (e.g. the leiden store), aligned by obs_names "
-                        "(default: the input's obs)")
+                        "(none: the input's obs)")
     p.add_argument("--groupby", default="leiden", help="obs column with the groups (categorical)")
-    p.add_argument("--groups", nargs="*", default=None, help="groups to test (default: all)")
+    p.add_argument("--groups", nargs="*", default=None, help="groups to test (none: all)")
     p.add_argument("--reference", default="rest", help="'rest' or the group every group is compared with")
     p.add_argument("--method", default="t-test", help="t-test, t-test_overestim_var, wilcoxon or logreg")
     p.add_argument("--n-genes", dest="n_genes", type=int, default=None,
-                   help="genes per group in the results and the CSV (default: all)")
+                   help="genes per group in the results and the CSV (none: all)")
     p.add_argument("--corr-method", dest="corr_method", default="benjamini-hochberg",
                    help="p-value correction: benjamini-hochberg or bonferroni")
     p.add_argument("--tie-correct", dest="tie_correct", action="store_true", help="wilcoxon: tie correction")
     p.add_argument("--rankby-abs", dest="rankby_abs", action="store_true", help="rank by |score|")
     p.add_argument("--pts", action="store_true", help="also store pts / pts_rest in uns (the CSV always has them)")
-    p.add_argument("--key-added", dest="key_added", default=None, help="uns key (default: rank_genes_groups)")
+    p.add_argument("--key-added", dest="key_added", default=None, help="uns key (none: rank_genes_groups)")
     p.add_argument("--layer", default=None, help="test this layer instead of X")
     p.add_argument("--mask-var", dest="mask_var", default=None, help="boolean var column: test only these genes")
     p.add_argument("--gene-block", dest="gene_block", type=int, default=None,
-                   help="wilcoxon: genes per block of the gene-major copy (default: ~2M non-zeros per block)")
+                   help="wilcoxon: genes per block of the gene-major copy (none: ~2M non-zeros per block)")
     p.add_argument("--gene-major", dest="gene_major", default=None,
                    help="wilcoxon: keep the gene-major copy of X here and reuse it when it matches the input "
-                        "(default: a temporary copy next to the output, removed afterwards)")
+                        "(none: a temporary copy next to the output, removed afterwards)")
     p.add_argument("--max-iter", dest="max_iter", type=int, default=100, help="logreg: L-BFGS iterations")
     p.add_argument("--C", dest="C", type=float, default=1.0, help="logreg: inverse L2 regularisation strength")
     p.add_argument("--tol", dest="tol", type=float, default=1e-4, help="logreg: gradient tolerance")
     p.add_argument("--markers-csv", dest="markers_csv", default=None,
-                   help="tidy marker table (default: OUTPUT with .csv instead of .zarr)")
+                   help="tidy marker table (none: OUTPUT with .csv instead of .zarr)")
     p.add_argument("--gene-symbols", dest="gene_symbols", default=None,
-                   help="var column with gene symbols for the CSV (default: gene_symbols/symbol/... if present)")
+                   help="var column with gene symbols for the CSV (none: gene_symbols/symbol/... if present)")
     p.add_argument("--filter-markers", dest="filter_markers", action="store_true",
                    help="keep only markers passing scanpy's filter_rank_genes_groups criteria in the CSV")
     p.add_argument("--min-in-group-fraction", dest="min_in_group_fraction", type=float, default=0.25,
