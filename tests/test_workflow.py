@@ -361,3 +361,23 @@ def test_concurrent_run_is_refused(tmp_path, dask_address):
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_report_builds_with_every_figure(built):
+    """`snakemake --report` on the finished run: an HTML report holding every figure and the marker table."""
+    import zipfile
+
+    report = built / "report.zip"
+    snakemake(built, "--report", str(report))
+    names = zipfile.ZipFile(report).namelist()
+    pngs = {Path(n).name for n in names if n.endswith(".png")}
+    expected = {"qc_violin.png", "highest_expr_genes.png", "hvg.png", "pca_variance_ratio.png", "pca.png",
+                "umap.png", "cluster_sizes.png", "marker_dotplot.png", "marker_heatmap.png"}
+    assert expected <= pngs, sorted(pngs)
+    assert any(n.endswith("markers.csv") for n in names), names
+    for png in sorted((built / "results" / DATASET / "plots").glob("*.png")):
+        from matplotlib.image import imread
+
+        img = imread(png)
+        assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0, png
