@@ -46,7 +46,8 @@ TINY_CONFIG = {
     # a gene list from resources/ (found in the repository although the run is elsewhere)
     "qc": {"gene_sets": {"mt": {"genes_file": "resources/gene_lists/human_mito.txt"}, "ribo": {"prefix": ["RPS", "RPL"]}},
            "percent_top": [20, 50]},
-    "filter": {"min_genes": 60, "max_genes": None, "max_pct_mt": 15, "min_cells": 3},
+    # min_counts: the simulator's empty droplets have ~2 % of the median library, a few reach ~80 genes
+    "filter": {"min_genes": 60, "max_genes": None, "min_counts": 250, "max_pct_mt": 15, "min_cells": 3},
 }
 
 
@@ -345,18 +346,32 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address):
 
 def test_concurrent_run_is_refused(tmp_path, dask_address):
     """A second snakemake on the same results folder while one runs is refused by Snakemake's lock."""
-    write_config(tmp_path, {**TINY_CONFIG, "dask": {"address": dask_address[0]}})
-    first = subprocess.Popen(snakemake_cmd(tmp_path, f"results/{DATASET}/qc.zarr"), cwd=tmp_path, text=True,
+    from distributed import Event
+
+    address, client = dask_address
+    write_config(tmp_path, {**TINY_CONFIG, "dask": {"address": address}})
+    target = f"results/{DATASET}/qc.zarr"
+    log = tmp_path / "logs" / DATASET / "qc.log"
+    # hold both workers so that the first run's qc stage cannot finish while the second one starts
+    hold = Event("atlasflow-test-hold-lock", client=client)
+    hold.clear()
+    held = [client.submit(hold.wait, 180, workers=[w], allow_other_workers=False, pure=False)
+            for w in client.scheduler_info()["workers"]]
+    first = subprocess.Popen(snakemake_cmd(tmp_path, target), cwd=tmp_path, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while not any((tmp_path / ".snakemake" / "locks").glob("*")):
+        deadline = time.time() + 150
+        while not (log.exists() and "attached to" in log.read_text()):
             assert first.poll() is None, first.stdout.read()
-            assert time.time() < deadline
-            time.sleep(0.05)
-        second = snakemake(tmp_path, f"results/{DATASET}/qc.zarr", check=False)
+            assert time.time() < deadline, "the first run's qc stage did not start"
+            time.sleep(0.1)
+        second = snakemake(tmp_path, target, check=False)
         assert second.returncode != 0
         assert "cannot be locked" in second.stdout, second.stdout
+    finally:
+        hold.set()
+        client.gather(held)
+    try:
         assert first.wait(timeout=180) == 0, first.stdout.read()
     finally:
         if first.poll() is None:
