@@ -44,6 +44,18 @@ class Design:
         return self.categories[code]
 
 
+def lazy_matrix(adata, layer: str | None, what: str) -> da.Array:
+    """X or ``layers[layer]`` as a Dask array of row blocks; ``what`` names the caller in the error."""
+    if layer is not None and layer not in adata.layers:
+        raise InputError(f"layer: no layer {layer!r} (layers: {list(adata.layers)})")
+    x = adata.layers[layer] if layer is not None else adata.X
+    if x is None:
+        raise InputError(f"{what}: the store has no X")
+    if not isinstance(x, da.Array):
+        x = da.from_array(x, chunks=(10_000, x.shape[1]), asarray=False)
+    return x
+
+
 def as_categorical(obs: pd.DataFrame, key: str, *, param: str = "groupby") -> pd.Categorical:
     """``obs[key]`` as a categorical (strings are converted, as scanpy's sanitize_anndata does)."""
     if key not in obs.columns:

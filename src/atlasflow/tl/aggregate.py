@@ -21,6 +21,7 @@ import pandas as pd
 
 from atlasflow import kernels
 from atlasflow.errors import ConfigError, InputError
+from atlasflow.tl._groups import lazy_matrix
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,7 @@ def aggregate(adata: ad.AnnData, by, func, *, dof: int = 1, layer: str | None = 
         raise ConfigError("func: give at least one of " + ", ".join(FUNCS))
     if dof < 0:
         raise ConfigError(f"dof: must be >= 0, got {dof}")
-    if layer is not None and layer not in adata.layers:
-        raise InputError(f"layer: no layer {layer!r} (layers: {list(adata.layers)})")
-    x = adata.layers[layer] if layer is not None else adata.X
-    if x is None:
-        raise InputError("aggregate: the store has no X")
-    if not isinstance(x, da.Array):
-        x = da.from_array(x, chunks=(10_000, x.shape[1]), asarray=False)
+    x = lazy_matrix(adata, layer, "aggregate")
     codes, labels = combine_categories(adata.obs, by)
     if (n_out := int((codes < 0).sum())):
         log.warning("aggregate: %d cells have no label in %s and are left out", n_out, by)

@@ -17,13 +17,12 @@ import logging
 from dataclasses import dataclass, field
 
 import anndata as ad
-import dask.array as da
 import numpy as np
 import pandas as pd
 
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.tl import _logreg, _ttest, _wilcoxon
-from atlasflow.tl._groups import COUNTS_WARNING, Design, GroupStats, design, group_moments
+from atlasflow.tl._groups import COUNTS_WARNING, Design, GroupStats, design, group_moments, lazy_matrix
 
 log = logging.getLogger("atlasflow.tl.markers")
 
@@ -192,13 +191,7 @@ def compute_markers(
         raise ConfigError(f"unknown parameters {sorted(kwds)} (extra keywords go to logreg only)")
     if unknown := set(kwds) - LOGREG_PARAMS:
         raise ConfigError(f"logreg: unsupported parameters {sorted(unknown)} (supported: {sorted(LOGREG_PARAMS)})")
-    if layer is not None and layer not in adata.layers:
-        raise InputError(f"layer: no layer {layer!r} (layers: {list(adata.layers)})")
-    x = adata.layers[layer] if layer is not None else adata.X
-    if x is None:
-        raise InputError("the store has no X to rank genes on")
-    if not isinstance(x, da.Array):
-        x = da.from_array(x, chunks=(10_000, x.shape[1]), asarray=False)
+    x = lazy_matrix(adata, layer, "rank_genes_groups")
     d = design(adata.obs, groupby, groups, reference)
     if method == "logreg" and len(d.order) < 2:
         raise InputError("groups: logreg needs at least two groups")
