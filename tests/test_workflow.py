@@ -396,3 +396,151 @@ def test_report_builds_with_every_figure(built):
 
         img = imread(png)
         assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0, png
+
+
+# ------------------------------------------------------------------------------------------ kill anywhere
+
+KILL_SEED = int(os.environ.get("ATLASFLOW_KILL_SEED", "20261201"))
+
+
+def stage_outputs(workdir: Path, *targets: str) -> dict[str, list[Path]]:
+    """{rule: its output files and folders} of the stage rules (those writing a JSON summary), in build order."""
+    out = snakemake(workdir, "--summary", *targets).stdout
+    rows = [line.split("\t") for line in out.splitlines()[1:] if line.count("\t") >= 5]
+    by_rule: dict[str, list[Path]] = {}
+    for row in rows:
+        by_rule.setdefault(row[2], []).append(workdir / row[0])
+    stages = {rule: paths for rule, paths in by_rule.items() if any(p.suffix == ".json" for p in paths)}
+    return dict(sorted(stages.items(), key=lambda kv: max(p.stat().st_mtime for p in kv[1])))
+
+
+def same_bits(a: Path, b: Path) -> None:
+    """Two outputs are identical file by file; in Zarr metadata only atlasflow's random store_id may differ."""
+    if a.is_file():
+        assert a.read_bytes() == b.read_bytes(), f"{a} differs from {b}"
+        return
+    def listing(root: Path) -> list[Path]:  # without Snakemake's .snakemake_timestamp of directory() outputs
+        return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file() and p.name != ".snakemake_timestamp")
+
+    files = listing(a)
+    assert files == listing(b), f"{a}: other files than {b}"
+
+    def strip(obj):
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if k != "store_id"}
+        return [strip(v) for v in obj] if isinstance(obj, list) else obj
+
+    for rel in files:
+        x, y = (a / rel).read_bytes(), (b / rel).read_bytes()
+        if rel.name == "zarr.json":
+            assert strip(json.loads(x)) == strip(json.loads(y)), f"{a / rel} differs"
+        else:
+            assert x == y, f"{a / rel} differs from {b / rel}"
+
+
+def _targets(workdir: Path, outputs: list[Path]) -> list[str]:
+    return [str(o.relative_to(workdir)) for o in outputs]
+
+
+def _temporaries(outputs: list[Path]) -> list[Path]:
+    return [t for o in outputs for t in o.parent.glob(f".{o.name}.tmp-*")]
+
+
+def _wait_idle(client, timeout: float = 60) -> None:
+    """Until the shared cluster has no task left (a killed stage's running tasks finish or are released)."""
+    deadline = time.time() + timeout
+    while client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) > 0:
+        assert time.time() < deadline, "tasks of the killed stage are still on the cluster"
+        time.sleep(0.2)
+
+
+def kill_while_writing(workdir: Path, outputs: list[Path], rng, client) -> float:
+    """Run the stage building `outputs`; SIGKILL snakemake and the stage at a random moment of its writing.
+
+    Writing starts when a temporary sibling of an output appears; the kill comes a random 0-`window` s
+    later. If the stage finished first, try again with a shorter window (the last try kills at once).
+    Returns the delay used.
+    """
+    for window in (0.3, 0.05, 0.0):
+        delay = float(rng.uniform(0, window))
+        proc = subprocess.Popen(snakemake_cmd(workdir, *_targets(workdir, outputs)), cwd=workdir, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + 180
+            while not _temporaries(outputs) and proc.poll() is None:
+                assert time.time() < deadline, "the stage never started writing"
+                time.sleep(0.005)
+            time.sleep(delay)
+            finished = proc.poll() is not None
+            if not finished:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        _wait_idle(client)
+        # what `snakemake --unlock` does (tested above), without its few seconds of workflow parsing
+        shutil.rmtree(workdir / ".snakemake" / "locks", ignore_errors=True)
+        if not finished:
+            return delay
+        assert all(o.exists() for o in outputs), proc.stdout.read()[-4000:]
+        for o in outputs:  # finished before the kill: start again from nothing
+            shutil.rmtree(o) if o.is_dir() else o.unlink()
+    pytest.fail("the stage always finished before it could be killed")
+
+
+def check_kill_anywhere(workdir: Path, rule: str, outputs: list[Path], rng, client) -> None:
+    """SIGKILL one stage while it writes; its rerun alone rebuilds outputs equal to the uninterrupted run's."""
+    reference = workdir / "kill-reference" / rule
+    kept = [o for o in outputs if o.suffix != ".json"]  # the JSON summary holds timings
+    for o in outputs:  # the uninterrupted run's outputs become the reference
+        dest = reference / o.relative_to(workdir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(o, dest)
+    started = time.time()
+    delay = kill_while_writing(workdir, outputs, rng, client)
+    print(f"{rule}: killed {delay:.3f} s into writing ({time.time() - started:.0f} s)")
+    for o in kept:  # what the killed run left in place is complete and right, or absent
+        if o.exists():
+            same_bits(o, reference / o.relative_to(workdir))
+    assert not all(o.exists() for o in outputs), f"{rule} was killed {delay:.3f} s into writing yet finished"
+    proc = snakemake(workdir, *_targets(workdir, outputs))
+    assert rules_run(proc.stdout) == [rule], proc.stdout
+    for o in kept:
+        same_bits(o, reference / o.relative_to(workdir))
+    assert not _temporaries(outputs), _temporaries(outputs)
+    shutil.rmtree(reference)
+
+
+@pytest.mark.slow
+def test_kill_any_stage_while_it_writes(built, dask_address):
+    """Every stage of the run, SIGKILLed at a random moment of its writing, is redone alone and bit-identical.
+
+    The stages go in build order, so each killed stage's rerun leaves the results up to date; at the end
+    the whole run has nothing to redo but the report's table links, and final.zarr equals the reference.
+    """
+    _, client = dask_address
+    rng = np.random.default_rng(KILL_SEED)
+    stages = stage_outputs(built)
+    assert {"simulate", "qc", "filter", "normalize", "log1p", "hvg", "subset", "scale", "pca", "neighbors",
+            "leiden", "umap", "rank_genes_groups", "aggregate", "plots", "final"} <= set(stages), stages
+    for rule, outputs in stages.items():
+        check_kill_anywhere(built, rule, outputs, rng, client)
+    proc = snakemake(built)
+    assert set(rules_run(proc.stdout)) <= {"all", "report_table_markers", "report_table_pseudobulk_sum"}, proc.stdout
+    assert_same_store(results(built, "final"), built / "reference" / "final.zarr")
+
+
+@pytest.mark.slow
+def test_kill_ingest_while_it_writes(built, dask_address, tmp_path):
+    """The ingest stage (a dataset read from an .h5ad file), killed while it writes, likewise."""
+    import anndata as ad
+
+    _, client = dask_address
+    ad.read_zarr(results(built, "simulate")).write_h5ad(tmp_path / "counts.h5ad")
+    write_config(tmp_path, {**TINY_CONFIG, "datasets": {"file": {"path": str(tmp_path / "counts.h5ad"), "chunk_rows": 200}},
+                            "dask": {"address": dask_address[0]}})
+    snakemake(tmp_path, "results/file/ingest.zarr")
+    stages = {r: o for r, o in stage_outputs(tmp_path, "results/file/ingest.zarr").items() if r == "ingest"}
+    assert list(stages) == ["ingest"], stages
+    check_kill_anywhere(tmp_path, "ingest", stages["ingest"], np.random.default_rng(KILL_SEED), client)

@@ -15,6 +15,9 @@ fixed random order); continuous colours: the mean value per pixel.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -24,6 +27,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import zarr  # noqa: E402
 from matplotlib.colors import to_hex, to_rgba_array  # noqa: E402
+
+from atlasflow.store import temporary_sibling  # noqa: E402
 
 #: Above this many points a scatter is binned into an image instead of drawn point by point.
 RASTER_MAX_POINTS = 200_000
@@ -63,8 +68,17 @@ def _figure(name: str, nrows: int = 1, ncols: int = 1, dpi: int = 100, **kw):
 
 
 def save(fig, path, dpi: int = 100) -> None:
-    """Save at the figure's own size (no tight bbox, so the pixel size stays as declared) and close."""
-    fig.savefig(path, dpi=dpi, format="png")
+    """Save at the figure's own size (no tight bbox, so the pixel size stays as declared) and close.
+
+    Written under a temporary name and renamed: a killed run never leaves a truncated PNG in place.
+    """
+    path = Path(path)
+    tmp = temporary_sibling(path)
+    try:
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     plt.close(fig)
 
 

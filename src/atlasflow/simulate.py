@@ -45,7 +45,7 @@ import scipy.sparse as sp
 import zarr
 
 from atlasflow.errors import ConfigError
-from atlasflow.store import META_KEY, atomic_dir, write_csr_blocks
+from atlasflow.store import META_KEY, atomic_dir, temporary_sibling, write_csr_blocks
 
 #: Cells per independently seeded sub-block (1000 so that the usual chunk sizes align with it).
 SUBBLOCK = 1000
@@ -454,7 +454,7 @@ def write_tenx_h5(path, params: SimParams, *, threads: int = 1, compression: str
     var = make_design(params).var
     obs = cell_obs(params)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = temporary_sibling(path)
     opts = {"compression": compression, "shuffle": True} if compression else {}
     try:
         with h5py.File(tmp, "w") as f:

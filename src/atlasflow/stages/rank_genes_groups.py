@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 import warnings
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import zarr
 
 from atlasflow.errors import InputError, StoreError
 from atlasflow.stages._common import optional_float, shape_summary
-from atlasflow.store import open_store, write_store
+from atlasflow.store import open_store, temporary_sibling, write_store
 from atlasflow.tl import markers as mk
 
 DESCRIPTION = ("Rank marker genes per group (t-test, t-test_overestim_var, exact out-of-core wilcoxon, logreg) "
@@ -109,8 +108,7 @@ def _csv_path(args) -> Path:
 
 def write_csv_atomic(table: pd.DataFrame, path: Path) -> Path:
     """Write a CSV under a temporary name; the caller renames it into place with ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = temporary_sibling(path)
     table.to_csv(tmp, index=False)
     return tmp
 
