@@ -73,34 +73,57 @@ def row_sums_masked(block, col_mask):
     return block[:, mask].sum(axis=1, dtype=xp.float64)
 
 
-def top_n_fractions(block, ns):
-    """Fraction of each row's total held by its ``n`` largest values, for each n in ``ns`` (sorted)."""
+def top_n_fractions(block, ns, max_nnz: int = 1 << 20):
+    """Fraction of each row's total held by its ``n`` largest values, for each n in ``ns`` (sorted).
+
+    Rows go in batches of at most ``max_nnz`` stored values (a row is never split): the sort's
+    temporaries (~45 bytes per value) then stay ~45 MiB whatever the chunk size. Each row's result is
+    the same as in one pass.
+    """
     xp = xp_of(block)
     if not issparse(block):
         from scipy import sparse as _sp  # dense chunks are rare here (counts are sparse)
 
         block = _sp.csr_matrix(to_host(block))
         xp = np
-    rows = _row_ids(block)
-    data = block.data.astype(xp.float64)
+    indptr = np.asarray(to_host(block.indptr), dtype=np.int64)
+    out = xp.empty((block.shape[0], len(ns)), dtype=xp.float64)
+    r0 = 0
+    while r0 < block.shape[0]:
+        r1 = max(r0 + 1, int(np.searchsorted(indptr, indptr[r0] + max_nnz, side="right")) - 1)
+        lo, hi = int(indptr[r0]), int(indptr[r1])
+        out[r0:r1] = _top_n_rows(block.data[lo:hi], xp.asarray(indptr[r0 : r1 + 1] - lo), ns, xp)
+        r0 = r1
+    return out
+
+
+def _top_n_rows(values, indptr, ns, xp):
+    """``top_n_fractions`` of the rows whose stored values are ``values`` (CSR ``indptr`` from 0)."""
+    n_rows = indptr.shape[0] - 1
+    rows = _row_ids_of(indptr, xp)
+    data = values.astype(xp.float64)
     order = xp.lexsort(xp.stack([-data, rows]))
     ranked = data[order]
-    rank = xp.arange(ranked.shape[0]) - xp.asarray(block.indptr)[rows]
-    totals = xp.bincount(rows, weights=ranked, minlength=block.shape[0])
-    out = xp.zeros((block.shape[0], len(ns)), dtype=xp.float64)
+    rank = xp.arange(ranked.shape[0]) - indptr[rows]
+    totals = xp.bincount(rows, weights=ranked, minlength=n_rows)
+    out = xp.zeros((n_rows, len(ns)), dtype=xp.float64)
     for j, n in enumerate(ns):
         keep = rank < n
-        out[:, j] = xp.bincount(rows[keep], weights=ranked[keep], minlength=block.shape[0])
+        out[:, j] = xp.bincount(rows[keep], weights=ranked[keep], minlength=n_rows)
     with np.errstate(invalid="ignore", divide="ignore"):
         return out / totals[:, None]
 
 
 def _row_ids(block):
     """Row index of every stored value of a CSR block."""
-    xp = xp_of(block)
+    return _row_ids_of(block.indptr, xp_of(block))
+
+
+def _row_ids_of(indptr, xp):
+    """Row index of every stored value, from a CSR ``indptr`` starting at 0."""
     if xp is not np:  # CuPy < 14 refuses array-valued repeats: locate each value in indptr instead
-        return xp.searchsorted(block.indptr[1:], xp.arange(block.indptr[-1].item()), side="right")
-    return xp.repeat(xp.arange(block.shape[0]), xp.diff(block.indptr))
+        return xp.searchsorted(indptr[1:], xp.arange(int(indptr[-1])), side="right")
+    return xp.repeat(xp.arange(indptr.shape[0] - 1), xp.diff(indptr))
 
 
 # ------------------------------------------------------------------------------------------- columns
@@ -172,6 +195,12 @@ def log1p_block(block, base=None):
     if base is not None:
         res = res / xp.log(base)
     return res
+
+
+def select_rows(block, row_mask):
+    """Keep the rows of a block where ``row_mask`` (a host boolean array, one entry per row) is true."""
+    xp = xp_of(block)
+    return block[xp.asarray(np.flatnonzero(row_mask))]
 
 
 def select_columns(block, col_idx):

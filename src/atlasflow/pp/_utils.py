@@ -7,6 +7,7 @@ import dask.array as da
 import numpy as np
 import scipy.sparse as sp
 
+from atlasflow import kernels
 from atlasflow.errors import InputError
 
 #: Row block size used when an in-memory matrix is wrapped as a Dask array.
@@ -50,6 +51,24 @@ def row_aligned(values: np.ndarray, x: da.Array) -> da.Array:
     values = np.asarray(values)
     values = values.reshape(values.shape[0], -1)
     return da.from_array(values, chunks=(x.chunks[0], (values.shape[1],)))
+
+
+def take_rows(x: da.Array, mask: np.ndarray) -> da.Array:
+    """The rows of ``x`` where ``mask`` is true, block by block: output block i is what input block i keeps.
+
+    Dask's own boolean indexing re-balances the result into equal chunks with a shuffle, so each output
+    block needs two input blocks in memory and rows travel between workers; here nothing moves, and
+    blocks may shrink (or become empty) instead.
+    """
+    mask = np.asarray(mask, dtype=bool)
+    if mask.shape != (x.shape[0],):
+        raise ValueError(f"row mask of length {mask.shape} for {x.shape[0]} rows")
+    bounds = np.cumsum((0,) + x.chunks[0])
+    kept = tuple(int(mask[s:e].sum()) for s, e in zip(bounds[:-1], bounds[1:]))
+    masks = da.from_array(mask, chunks=(x.chunks[0],))
+    index = "ij"[: x.ndim]
+    return da.blockwise(kernels.select_rows, index, x, index, masks, "i", dtype=x.dtype,
+                        adjust_chunks={"i": kept}, meta=x._meta)
 
 
 def read_gene_list(path) -> list[str]:

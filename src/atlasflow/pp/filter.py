@@ -14,10 +14,13 @@ import logging
 from collections.abc import Mapping
 
 import anndata as ad
+import dask.array as da
 import numpy as np
 import pandas as pd
 
+from atlasflow import kernels
 from atlasflow.errors import ConfigError, InputError
+from atlasflow.pp._utils import shared, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +102,36 @@ def qc_filter_masks(
 
 
 def filter_cells_genes(adata: ad.AnnData, cell_mask: np.ndarray, gene_mask: np.ndarray) -> ad.AnnData:
-    """Lazy subset of a Dask-backed AnnData (rows, then genes); nothing of X is computed."""
-    out = adata[np.asarray(cell_mask)]
-    if not np.all(gene_mask):
-        out = out[:, np.asarray(gene_mask)]
-    return out.copy() if not out.is_view else ad.AnnData(
-        X=out.X, obs=out.obs.copy(), var=out.var.copy(), layers={k: v for k, v in out.layers.items()},
-        obsm=dict(out.obsm), varm=dict(out.varm), uns=dict(adata.uns),
+    """Lazy subset of a Dask-backed AnnData: nothing of X is computed, and no row moves between blocks.
+
+    Each row block keeps its own surviving rows (``take_rows``), then the kept genes are selected per
+    block; obs/var are subset once (no view, no second copy).
+    """
+    cells = np.asarray(cell_mask, dtype=bool)
+    genes = np.asarray(gene_mask, dtype=bool)
+    gene_idx = None if genes.all() else np.flatnonzero(genes)
+
+    def matrix(x):
+        if isinstance(x, da.Array):
+            x = take_rows(x, cells)
+            if gene_idx is not None:
+                x = x.map_blocks(kernels.select_columns, shared(gene_idx), chunks=(x.chunks[0], (len(gene_idx),)),
+                                 dtype=x.dtype, meta=x._meta)
+            return x
+        x = x[cells]
+        return x if gene_idx is None else x[:, gene_idx]
+
+    def rows(v):
+        if isinstance(v, pd.DataFrame):
+            return v.loc[cells]
+        return take_rows(v, cells) if isinstance(v, da.Array) else v[cells]
+
+    return ad.AnnData(
+        X=None if adata.X is None else matrix(adata.X),
+        obs=adata.obs.loc[cells],
+        var=adata.var if gene_idx is None else adata.var.iloc[gene_idx],
+        layers={k: matrix(v) for k, v in adata.layers.items()},
+        obsm={k: rows(v) for k, v in adata.obsm.items()},
+        varm={k: (v if gene_idx is None else v[gene_idx]) for k, v in adata.varm.items()},
+        uns=dict(adata.uns),
     )
