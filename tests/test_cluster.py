@@ -109,3 +109,29 @@ def test_shared_cluster_start_stop(tmp_path):
         alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.2)
     assert alive == []
+
+
+def test_workers_get_one_blas_thread_whatever_the_job_exports(monkeypatch, tmp_path):
+    """Snakemake exports OPENBLAS_NUM_THREADS=<threads> to a job; the workers atlasflow starts ignore it."""
+    from atlasflow.cluster import connect
+
+    def _blas_threads() -> list[int]:  # local: pickled by value for the workers
+        import threadpoolctl
+
+        return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(var, "2")
+    with connect(n_workers=1, memory_limit="1GB") as client:
+        per_worker = client.run(_blas_threads)
+    assert per_worker and all(threads and set(threads) == {1} for threads in per_worker.values()), per_worker
+    sfile = tmp_path / "scheduler.json"
+    shared_cluster.start(sfile, n_workers=1, memory_limit="1GB")
+    try:
+        from distributed import Client
+
+        with Client(scheduler_file=str(sfile)) as client:
+            per_worker = client.run(_blas_threads)
+    finally:
+        shared_cluster.stop(sfile)
+    assert per_worker and all(threads and set(threads) == {1} for threads in per_worker.values()), per_worker

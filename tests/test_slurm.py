@@ -4,9 +4,10 @@
 * The same workflow with ``dask.shared_cluster: true`` (one cluster started at ``onstart``) gives the same
   stores, every stage naming the same scheduler, and the cluster is gone afterwards.
 * Under SLURM (``../shared/slurm/local_slurm.sh``, started here when not already running, stopped at the
-  end): every stage is a SLURM job whose local cluster is sized to its allocation; normalize's job is
-  cancelled (``scancel``) twice - the retry asks for twice the memory - so the run fails cleanly; the rerun
-  redoes only what had not finished, and the stores equal the reference.
+  end) the whole workflow runs: every stage is a SLURM job, whose local cluster (for the stages that use
+  one) is sized to its allocation; normalize's job is cancelled (``scancel``) twice - the retry asks for
+  twice the memory - so the run fails cleanly; the rerun redoes only what had not finished, and every
+  output (stores, tables, figures) equals the reference bit for bit.
 * ``hpc/dask_cluster.sbatch`` starts a Dask cluster as a SLURM job that a stage attaches to.
 
 Without root or apt-get (SLURM cannot be installed) the SLURM tests are skipped; in CI (``CI=true``) they
@@ -28,18 +29,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_workflow import PROFILE, SNAKEFILE, TINY_CONFIG, assert_same_store, rules_run, write_config
+from test_workflow import (PROFILE, SNAKEFILE, TINY_CONFIG, assert_same_store, rules_run, same_bits, stage_outputs,
+                           write_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = ROOT.parent / "shared" / "slurm" / "local_slurm.sh"
 SLURM_PROFILE = ROOT / "profiles" / "slurm" / "config.v8+.yaml"
 DATASET = "tiny"
-#: The runs here build the preprocessing chain (log1p's store): five jobs keep the SLURM runs within
-#: minutes on two cores, while later stages go through the same rule helpers (common.smk).
-STAGES = ["simulate", "qc", "filter", "normalize", "log1p"]
-TARGET = f"results/{DATASET}/{STAGES[-1]}.zarr"
-#: Stages that run on a Dask cluster (simulate computes in its own process, without one).
-CLUSTER_STAGES = STAGES[1:]
+#: The stages the tiny run has (the whole workflow: `all`)
+STAGES = ["simulate", "qc", "filter", "normalize", "log1p", "hvg", "subset", "scale", "pca", "neighbors", "leiden",
+          "umap", "rank_genes_groups", "aggregate", "plots", "final"]
+#: Stages that compute on a Dask cluster (the others work in their own process on small, in-memory slots).
+CLUSTER_STAGES = ["qc", "filter", "normalize", "log1p", "hvg", "subset", "scale", "pca", "rank_genes_groups",
+                  "aggregate"]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
@@ -58,8 +60,8 @@ def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float 
 
 
 def smk_cmd(workdir: Path, *args: str) -> list[str]:
-    """The CLI call for TARGET, with args (another profile, cores, ...)."""
-    return [sys.executable, "-m", "snakemake", TARGET, *args, "--snakefile", str(SNAKEFILE),
+    """The CLI call for the whole workflow, with args (another profile, cores, ...)."""
+    return [sys.executable, "-m", "snakemake", *args, "--snakefile", str(SNAKEFILE),
             "--directory", str(workdir), "--workflow-profile", str(PROFILE),
             "--configfile", str(workdir / "config.yaml")]
 
@@ -78,8 +80,13 @@ def store(workdir: Path, stage: str) -> Path:
 
 
 def assert_same_as(workdir: Path, reference: Path) -> None:
-    for stage in STAGES:
-        assert_same_store(store(workdir, stage), store(reference, stage))
+    """Every output of every stage (but the JSON summaries, which hold timings) is identical to the reference's."""
+    outputs = stage_outputs(reference)
+    assert set(outputs) == set(STAGES), sorted(outputs)
+    for paths in outputs.values():
+        for path in paths:
+            if path.suffix != ".json":
+                same_bits(workdir / path.relative_to(reference), path)
 
 
 def port_open(address: str) -> bool:
@@ -276,7 +283,9 @@ def test_cancelled_job_fails_the_run_cleanly(slurm_run):
     assert (a1["limit"], a2["limit"]) == ("10:00", "20:00"), (a1, a2)
     assert all(first["jobs"][str(j)]["state"] == "CANCELLED" for j in first["cancelled"])
     # the lock was released (no --unlock needed) and the rerun did not repeat finished stages
-    assert rules_run((slurm_run / "rerun.txt").read_text()) == ["normalize", "log1p"]
+    rerun = rules_run((slurm_run / "rerun.txt").read_text())
+    assert rerun[0] == "normalize" and {"log1p", "pca", "leiden", "plots", "final"} <= set(rerun), rerun
+    assert not {"simulate", "qc", "filter"} & set(rerun), rerun
 
 
 @pytest.mark.slurm
@@ -297,7 +306,7 @@ def test_every_stage_ran_as_a_slurm_job_sized_to_it(slurm_run):
             assert ran_on["memory_limit"] == 2000 * 10**6, ran_on
     assert len(set(ids.values())) == len(STAGES)
     jobs = slurm_jobs()  # the resumed run's jobs are recent enough for squeue (MinJobAge 300 s)
-    for stage in ("normalize", "log1p"):
+    for stage in ("normalize", "log1p", "final"):
         job = jobs[int(ids[stage])]
         assert job["state"] == "COMPLETED" and job["comment"] == f"rule_{stage}_wildcards_{DATASET}", job
         assert job["mem"] == "2000M"

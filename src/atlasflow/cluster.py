@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 
 #: How long to wait for an existing scheduler before failing (a dead one must not hang a stage).
 CONNECT_TIMEOUT = os.environ.get("ATLASFLOW_CONNECT_TIMEOUT", "10s")
+#: Environment of every worker process atlasflow starts: one BLAS/OpenMP thread per (single-threaded)
+#: worker. Snakemake exports OMP/OPENBLAS/MKL_NUM_THREADS = the job's threads, which workers would
+#: otherwise inherit: cores oversubscribed, and BLAS results whose last bits depend on the allocation.
+WORKER_ENV = {var: "1" for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                   "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")}
 
 
 def allocation_cores() -> int:
@@ -40,6 +45,25 @@ def allocation_memory() -> int | None:
     if os.environ.get("SLURM_MEM_PER_CPU", "").isdigit():
         return int(os.environ["SLURM_MEM_PER_CPU"]) * 2**20 * allocation_cores()
     return None
+
+
+@contextlib.contextmanager
+def worker_environment() -> Iterator[None]:
+    """``WORKER_ENV`` in this process's environment while worker nannies are created, then as before.
+
+    A nanny takes these variables from the environment in preference to Dask's own one-thread defaults
+    and sets them before it spawns its worker, so they must be right in os.environ at that moment.
+    """
+    saved = {k: os.environ.get(k) for k in WORKER_ENV}
+    os.environ.update(WORKER_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -83,14 +107,15 @@ def connect(
         if memory_limit in (None, "auto"):
             total = allocation_memory()
             memory_limit = int(total / n) if total else "auto"
-        cluster = LocalCluster(
-            n_workers=n,
-            threads_per_worker=int(threads_per_worker),
-            processes=True,
-            memory_limit=memory_limit,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        )
+        with worker_environment():  # the nannies read it once, when created
+            cluster = LocalCluster(
+                n_workers=n,
+                threads_per_worker=int(threads_per_worker),
+                processes=True,
+                memory_limit=memory_limit,
+                dashboard_address=":0",
+                silence_logs=logging.ERROR,
+            )
     client = Client(cluster)
     log.info("started a local cluster: %d workers, dashboard %s", len(cluster.workers), client.dashboard_link)
     try:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from atlasflow.cluster import allocation_cores
+from atlasflow.cluster import WORKER_ENV, allocation_cores
 from atlasflow.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ def start(scheduler_file: str | os.PathLike, *, n_workers: int | None = None, me
             [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file", str(scheduler_file),
              "--nworkers", "1", "--nthreads", "1", "--memory-limit", str(memory_limit), "--name", f"atlasflow-{i}"],
             stdout=subprocess.DEVNULL, stderr=open(logdir / f"worker-{i}.log", "ab"), start_new_session=True,
+            env={**os.environ, **WORKER_ENV},
         ))
     pids = {"scheduler": sched.pid, "workers": [w.pid for w in workers]}
     _pids_file(scheduler_file).write_text(json.dumps(pids))

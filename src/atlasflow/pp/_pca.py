@@ -116,11 +116,16 @@ def _top_eigh(sym: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
     Only the top of the spectrum is solved for (LAPACK ``syevr`` on an index range), much cheaper than a full
     decomposition for thousands of genes; the total variance for the ratios is the trace.
+
+    LAPACK runs on one thread: with more, the last bits of the result depend on the thread count, so the
+    same data would give (slightly) different PCs on a laptop, in a SLURM job or on a GPU node.
     """
     import scipy.linalg
+    from threadpoolctl import threadpool_limits
 
     m = sym.shape[0]
-    evals, evecs = scipy.linalg.eigh(sym, subset_by_index=[m - k, m - 1], driver="evr")
+    with threadpool_limits(limits=1, user_api="blas"):
+        evals, evecs = scipy.linalg.eigh(sym, subset_by_index=[m - k, m - 1], driver="evr")
     return evals[::-1].copy(), _flip_signs(evecs[:, ::-1].T.copy())
 
 
