@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import anndata as ad
 import numpy as np
@@ -156,3 +155,14 @@ def test_dead_worker_mid_stage_gives_the_same_result(pbmc3k_raw_store, tmp_path)
     finally:
         for p in procs:
             p.kill()
+
+
+def test_output_folder_that_cannot_be_created(tmp_path):
+    """An output below a file: the filesystem's own error, nothing written (not an error of the cleanup)."""
+    from atlasflow.store import atomic_dir
+
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    with pytest.raises(FileExistsError), atomic_dir(blocker / "out.zarr"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_folder"]

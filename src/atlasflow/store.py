@@ -238,6 +238,7 @@ def temporary_sibling(path: Path) -> Path:
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; on success replace ``path`` by it, on failure remove it."""
     path = Path(path)
+    tmp = None  # stays None when the output's folder cannot even be created
     try:
         tmp = temporary_sibling(path)
         tmp.mkdir()
@@ -245,13 +246,12 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         if path.exists():
             shutil.rmtree(path)
         os.rename(tmp, path)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM):
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT,
+                                                      errno.EPERM):
             raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
