@@ -31,6 +31,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from atlasflow.errors import ConfigError, InputError
+from atlasflow.tl.neighbors import graph_of
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,7 @@ def choose_graph(adata: ad.AnnData, obsp: str | None = None, neighbors_key: str 
         if obsp not in adata.obsp:
             raise InputError(f"obsp: the input has no obsp[{obsp!r}] (obsp holds {sorted(adata.obsp) or 'nothing'})")
         return sp.csr_matrix(adata.obsp[obsp])
-    key = "neighbors" if neighbors_key is None else neighbors_key
-    info = adata.uns.get(key)
-    conns = info.get("connectivities_key", "connectivities") if isinstance(info, Mapping) else None
-    if conns is None or conns not in adata.obsp:
-        raise InputError(
-            f"neighbors_key: the input has no neighbourhood graph uns[{key!r}] / obsp['connectivities'] "
-            f"(uns holds {sorted(adata.uns) or 'nothing'}); run the neighbors stage first (scripts/neighbors.py)"
-        )
+    _, conns = graph_of(adata, "neighbors" if neighbors_key is None else neighbors_key)
     return sp.csr_matrix(adata.obsp[conns])
 
 

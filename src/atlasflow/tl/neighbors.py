@@ -46,6 +46,18 @@ def choose_knn_method(n_obs: int, metric: str = "euclidean", knn_method: str = "
     return "exact" if small else "pynndescent"
 
 
+def graph_of(adata: ad.AnnData, neighbors_key: str = "neighbors") -> tuple[Mapping, str]:
+    """``uns[neighbors_key]`` and the obsp key of its connectivities; a one-line error when there is none."""
+    info = adata.uns.get(neighbors_key)
+    conns = info.get("connectivities_key", "connectivities") if isinstance(info, Mapping) else None
+    if conns is None or conns not in adata.obsp:
+        raise InputError(
+            f"neighbors_key: the input has no neighbourhood graph uns[{neighbors_key!r}] / obsp['connectivities'] "
+            f"(uns holds {sorted(adata.uns) or 'nothing'}); run the neighbors stage first (scripts/neighbors.py)"
+        )
+    return info, conns
+
+
 def representation(adata: ad.AnnData, use_rep: str | None = None, n_pcs: int | None = None) -> np.ndarray:
     """The embedding the graph is built on: ``obsm[use_rep or 'X_pca']``, first ``n_pcs`` columns.
 

@@ -15,7 +15,7 @@ import anndata as ad
 import numpy as np
 
 from atlasflow.errors import ConfigError, InputError
-from atlasflow.tl.neighbors import representation
+from atlasflow.tl.neighbors import graph_of, representation
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,7 @@ def umap(
     """
     adata = adata.copy() if copy else adata
     key_obsm, key_uns = ("X_umap", "umap") if key_added is None else (key_added, key_added)
-    neigh = adata.uns.get(neighbors_key)
-    conns_key = neigh.get("connectivities_key", "connectivities") if isinstance(neigh, dict) else None
-    if conns_key is None or conns_key not in adata.obsp:
-        raise InputError(
-            f"neighbors_key: the input has no neighbourhood graph uns[{neighbors_key!r}] (uns holds "
-            f"{sorted(adata.uns) or 'nothing'}); run the neighbors stage first (scripts/neighbors.py)"
-        )
+    neigh, conns_key = graph_of(adata, neighbors_key)
     if min_dist < 0 or spread <= 0 or min_dist > spread:
         raise ConfigError(f"need 0 <= min_dist <= spread and spread > 0 (min_dist={min_dist}, spread={spread})")
     if int(n_components) < 1:
