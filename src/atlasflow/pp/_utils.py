@@ -71,6 +71,13 @@ def take_rows(x: da.Array, mask: np.ndarray) -> da.Array:
                         adjust_chunks={"i": kept}, meta=x._meta)
 
 
+def take_columns(x: da.Array, col_idx: np.ndarray) -> da.Array:
+    """The given columns (indices, in order) of every row block of ``x``; the index is stored once in the graph."""
+    col_idx = np.asarray(col_idx)
+    return x.map_blocks(kernels.select_columns, shared(col_idx), chunks=(x.chunks[0], (len(col_idx),)),
+                        dtype=x.dtype, meta=x._meta)
+
+
 def read_gene_list(path) -> list[str]:
     """Gene names from a text file: whitespace/newline separated, ``#`` starts a comment line."""
     from pathlib import Path

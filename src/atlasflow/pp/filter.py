@@ -18,9 +18,8 @@ import dask.array as da
 import numpy as np
 import pandas as pd
 
-from atlasflow import kernels
 from atlasflow.errors import ConfigError, InputError
-from atlasflow.pp._utils import shared, take_rows
+from atlasflow.pp._utils import take_columns, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +113,7 @@ def filter_cells_genes(adata: ad.AnnData, cell_mask: np.ndarray, gene_mask: np.n
     def matrix(x):
         if isinstance(x, da.Array):
             x = take_rows(x, cells)
-            if gene_idx is not None:
-                x = x.map_blocks(kernels.select_columns, shared(gene_idx), chunks=(x.chunks[0], (len(gene_idx),)),
-                                 dtype=x.dtype, meta=x._meta)
-            return x
+            return x if gene_idx is None else take_columns(x, gene_idx)
         x = x[cells]
         return x if gene_idx is None else x[:, gene_idx]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from atlasflow import kernels
 from atlasflow.errors import InputError
+from atlasflow.pp._utils import take_columns
 from atlasflow.stages._common import shape_summary
 from atlasflow.store import open_store, write_store
 
@@ -22,14 +22,9 @@ def subset_var(adata, mask):
     import anndata as ad
 
     idx = np.flatnonzero(mask)
-
-    def take(x):
-        return x.map_blocks(kernels.select_columns, idx, chunks=(x.chunks[0], (len(idx),)), dtype=x.dtype,
-                            meta=x._meta)
-
     return ad.AnnData(
-        X=None if adata.X is None else take(adata.X), obs=adata.obs, var=adata.var.iloc[idx].copy(),
-        layers={k: take(v) for k, v in adata.layers.items()}, obsm=dict(adata.obsm),
+        X=None if adata.X is None else take_columns(adata.X, idx), obs=adata.obs, var=adata.var.iloc[idx].copy(),
+        layers={k: take_columns(v, idx) for k, v in adata.layers.items()}, obsm=dict(adata.obsm),
         varm={k: np.asarray(v)[idx] for k, v in adata.varm.items()}, obsp=dict(adata.obsp), uns=dict(adata.uns),
     )
 
