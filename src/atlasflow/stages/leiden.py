@@ -64,6 +64,24 @@ def add_cluster_arguments(p, *, algorithm: str, resolution_default):
     p.add_argument("--obsp", default=None, help="cluster obsp[OBSP] instead of the neighbors connectivities")
 
 
+def run_clustering(args, algorithm: str, cluster, **options) -> dict:
+    """What the leiden and louvain stages share: cluster the input's graph with ``cluster`` (tl.leiden or
+    tl.louvain) and the shared arguments plus ``options``, write the store, summarise the clusters."""
+    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    resolutions = to_floats(args.resolutions, "resolutions")
+    restrict_to = json_arg(args.restrict_to)
+    cluster(
+        adata, args.resolution, resolutions=resolutions, restrict_to=restrict_to,
+        random_state=optional_int(args.random_state), key_added=args.key_added, neighbors_key=args.neighbors_key,
+        obsp=args.obsp, **options,
+    )
+    keys = output_keys(algorithm, args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
+                       resolutions=resolutions)
+    write_store(adata, args.output, chunk_rows=args.chunk_rows,
+                provenance={"stage": algorithm, "keys": keys, "flavor": options["flavor"]})
+    return {**shape_summary(adata, adata), "flavor": options["flavor"], **cluster_summary(adata, keys)}
+
+
 def cluster_summary(adata, keys: list[str]) -> dict:
     """Clusters and sizes per added column, for the stage summary."""
     return {
@@ -85,18 +103,7 @@ def add_arguments(p):
 
 
 def run(args, client) -> dict:
-    adata = open_store(args.input, chunk_rows=args.chunk_rows)
-    resolutions = to_floats(args.resolutions, "resolutions")
-    restrict_to = json_arg(args.restrict_to)
-    leiden(
-        adata, args.resolution, resolutions=resolutions, restrict_to=restrict_to,
-        random_state=optional_int(args.random_state), key_added=args.key_added,
-        directed=optional_bool(args.directed), use_weights=bool(args.use_weights),
-        n_iterations=to_int(args.n_iterations, "n_iterations"), neighbors_key=args.neighbors_key,
-        obsp=args.obsp, flavor=args.flavor,
+    return run_clustering(
+        args, "leiden", leiden, flavor=args.flavor, directed=optional_bool(args.directed),
+        use_weights=bool(args.use_weights), n_iterations=to_int(args.n_iterations, "n_iterations"),
     )
-    keys = output_keys("leiden", args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
-                       resolutions=resolutions)
-    write_store(adata, args.output, chunk_rows=args.chunk_rows,
-                provenance={"stage": "leiden", "keys": keys, "flavor": args.flavor})
-    return {**shape_summary(adata, adata), "flavor": args.flavor, **cluster_summary(adata, keys)}

@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from atlasflow.stages._common import json_arg, shape_summary
-from atlasflow.stages.leiden import add_cluster_arguments, cluster_summary, to_floats
-from atlasflow.stages.neighbors import optional_int
-from atlasflow.store import open_store, write_store
-from atlasflow.tl.cluster import LOUVAIN_FLAVORS, louvain, output_keys, parse_restrict_to
+from atlasflow.stages.leiden import add_cluster_arguments, run_clustering
+from atlasflow.tl.cluster import LOUVAIN_FLAVORS, louvain
 
 DESCRIPTION = ("Louvain clustering of the neighbors graph (scanpy.tl.louvain): obs['louvain'] (+ one column per "
                "extra resolution); X is linked, not copied.")
@@ -33,17 +30,5 @@ def add_arguments(p):
 
 
 def run(args, client) -> dict:
-    adata = open_store(args.input, chunk_rows=args.chunk_rows)
-    resolutions = to_floats(args.resolutions, "resolutions")
-    restrict_to = json_arg(args.restrict_to)
-    louvain(
-        adata, args.resolution, resolutions=resolutions, restrict_to=restrict_to,
-        random_state=optional_int(args.random_state), key_added=args.key_added, flavor=args.flavor,
-        directed=bool(args.directed), use_weights=bool(args.use_weights), neighbors_key=args.neighbors_key,
-        obsp=args.obsp,
-    )
-    keys = output_keys("louvain", args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
-                       resolutions=resolutions)
-    write_store(adata, args.output, chunk_rows=args.chunk_rows,
-                provenance={"stage": "louvain", "keys": keys, "flavor": args.flavor})
-    return {**shape_summary(adata, adata), "flavor": args.flavor, **cluster_summary(adata, keys)}
+    return run_clustering(args, "louvain", louvain, flavor=args.flavor, directed=bool(args.directed),
+                          use_weights=bool(args.use_weights))
