@@ -7,7 +7,11 @@ What it does
 
     * atlasflow: the four stage scripts, each in its own process with its own local cluster (as a Snakemake
       job runs them): ``hvg`` (flavor seurat, 2,000 genes), ``subset``, ``scale`` (max_value 10), ``pca``
-      (50 components, the Gram-matrix solver);
+      (50 components, the Gram-matrix solver, computing from subset's sparse matrix scaled on the fly as the
+      workflow does), then ``pca_dense``: the same PCA reading scale's dense X (``--unscaled none``), for
+      comparison only (not part of the chain's totals). ``--cluster``: each script with its own local
+      cluster (per-stage), all attached to one shared cluster (shared, the workflow's local default), or
+      both one after the other (default);
     * scanpy, in one child process: ``read_zarr`` of the same store into memory, then
       ``highly_variable_genes`` (same flavor and n_top_genes), the subset, ``scale(max_value=10)`` and
       ``pca(n_comps=50, svd_solver=...)`` (``--scanpy-solver``, default arpack as in the issue's reference),
@@ -142,6 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-rows", type=int, default=5000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--workdir", default=None, help="where the stores go (default: beside the input)")
+    p.add_argument("--cluster", choices=["per-stage", "shared", "both"], default="both",
+                   help="each stage starts its own local cluster, or all attach to one shared cluster "
+                        "(the workflow's default for local runs), or both, one after the other")
     p.add_argument("--no-scanpy", action="store_true", help="atlasflow only (when the data do not fit in memory)")
     p.add_argument("--scanpy-solver", default="arpack")
     p.add_argument("--scanpy-timeout", type=float, default=3600)
@@ -157,22 +164,15 @@ def main(argv=None) -> int:
     n_cells, n_genes = (int(s) for s in zarr.open_group(str(src), mode="r")["X"].attrs["shape"])
     print(f"bench features: {n_cells} cells x {n_genes} genes from {src}, chunk_rows {args.chunk_rows}, "
           f"{args.workers} workers", flush=True)
-    common = ["--chunk-rows", str(args.chunk_rows), "--n-workers", str(args.workers)]
-    chain = [
-        ("hvg", src, ["--flavor", "seurat", "--n-top-genes", str(N_TOP)]),
-        ("subset", work / "hvg.zarr", []),
-        ("scale", work / "subset.zarr", ["--max-value", "10"]),
-        ("pca", work / "scale.zarr", ["--n-comps", str(N_COMPS)]),
-    ]
-    runs, ok = [], True
-    for name, inp, extra in chain:
-        if not ok:
-            break
-        r = run_stage(name, ["--input", str(inp), "--output", str(work / f"{name}.zarr"), *extra, *common], work)
-        runs.append(r)
-        ok = r["rc"] == 0
+    modes = ["per-stage", "shared"] if args.cluster == "both" else [args.cluster]
+    runs, ok = {}, True
+    for mode in modes:
+        print(f" {mode} cluster:", flush=True)
+        runs[mode], mode_ok = run_chain(src, work / mode, args, shared=mode == "shared")
+        ok = ok and mode_ok
     scanpy = None if args.no_scanpy else run_scanpy(src, work, args.scanpy_solver, args.scanpy_timeout)
-    agreement = compare(work, work / "pca.zarr") if ok and scanpy and scanpy["rc"] == 0 else None
+    agreement = (compare(work, work / modes[0] / "pca.zarr")
+                 if ok and scanpy and scanpy["rc"] == 0 else None)
     result = {"n_cells": n_cells, "n_genes": n_genes, "chunk_rows": args.chunk_rows, "workers": args.workers,
               "scanpy_solver": args.scanpy_solver, "machine": machine(), "atlasflow": runs, "scanpy": scanpy,
               "agreement": agreement, "date": time.strftime("%Y-%m-%d %H:%M")}
@@ -185,33 +185,87 @@ def main(argv=None) -> int:
     return 0 if ok and (scanpy is None or scanpy["rc"] == 0) else 1
 
 
+def run_chain(src: Path, work: Path, args, shared: bool) -> tuple[list[dict], bool]:
+    """hvg -> subset -> scale -> pca (and pca_dense) as stage scripts; with ``shared`` all attach to one
+    cluster started here (``atlasflow cluster start``), whose processes are sampled with each stage."""
+    from atlasflow import shared_cluster
+
+    work.mkdir(parents=True)
+    common = ["--chunk-rows", str(args.chunk_rows), "--n-workers", str(args.workers)]
+    extra_pids = None
+    if shared:
+        sched_file = work / "scheduler.json"
+        pids = shared_cluster.start(sched_file, n_workers=args.workers)
+        extra_pids = {pids["scheduler"]: "shared scheduler", **{w: "shared worker" for w in pids["workers"]}}
+        common += ["--scheduler-file", str(sched_file)]
+    chain = [
+        ("hvg", src, ["--flavor", "seurat", "--n-top-genes", str(N_TOP)]),
+        ("subset", work / "hvg.zarr", []),
+        ("scale", work / "subset.zarr", ["--max-value", "10"]),
+        ("pca", work / "scale.zarr", ["--n-comps", str(N_COMPS), "--unscaled", str(work / "subset.zarr")]),
+        ("pca_dense", work / "scale.zarr", ["--n-comps", str(N_COMPS), "--unscaled", "none"]),
+    ]
+    runs, ok = [], True
+    try:
+        for name, inp, extra in chain:
+            script = [sys.executable, str(ROOT / "scripts" / f"{name.split('_')[0]}.py")]
+            r = run_stage(name, ["--input", str(inp), "--output", str(work / f"{name}.zarr"), *extra, *common],
+                          work, script=script, extra_pids=extra_pids)
+            runs.append(r)
+            ok = r["rc"] == 0
+            if not ok:
+                break
+    finally:
+        if shared:
+            shared_cluster.stop(sched_file)
+    return runs, ok
+
+
 def report(r: dict) -> str:
     m = r["machine"]
+    modes = list(r["atlasflow"])
     lines = [
         f"# Feature selection to PCA: {r['n_cells']:,} cells x {r['n_genes']:,} genes",
         "",
-        f"{r['date']}. atlasflow: one stage script per step, each with its own local cluster of {r['workers']} "
-        f"workers, chunk_rows {r['chunk_rows']}. scanpy: one in-memory process (read_zarr, "
-        f"highly_variable_genes, subset, scale, pca svd_solver={r['scanpy_solver']!r}).",
+        f"{r['date']}. atlasflow: one stage script per step with {r['workers']} single-threaded workers, "
+        f"chunk_rows {r['chunk_rows']}; *per-stage*: each script starts and stops its own local cluster; "
+        "*shared*: every script attaches to one cluster started before the chain (`atlasflow cluster start`, "
+        "what the workflow does for local runs by default). Wall time is the script's, from process start to "
+        f"exit. scanpy: one in-memory process (read_zarr, highly_variable_genes, subset, scale, pca "
+        f"svd_solver={r['scanpy_solver']!r}), each step timed inside the process.",
         "",
         f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('ram_gib', '?')} GiB RAM; "
         f"Python {m.get('python', '?')}.",
         "",
-        "| step | atlasflow wall s | atlasflow CPU s | atlasflow peak RSS, all processes (MiB) | scanpy wall s | wall ratio scanpy / atlasflow |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
     sc = (r.get("scanpy") or {}).get("steps") or {}
-    for run in r["atlasflow"]:
-        name = run["stage"]
-        ref = sc.get(name)
-        ratio = f"{ref / run['wall_s']:.1f}" if ref else ""
-        lines.append(f"| {name} | {run['wall_s']:.1f} | {run['cpu_s']:.1f} | {run['peak_rss_sum'] / MiB:.0f} | "
-                     f"{'' if ref is None else f'{ref:.1f}'} | {ratio} |")
-    total = sum(run["wall_s"] for run in r["atlasflow"])
-    peak = max(run["peak_rss_sum"] for run in r["atlasflow"])
+    head = "| step | scanpy wall s |"
+    rule = "|---|---:|"
+    for mode in modes:
+        head += f" {mode} wall s | {mode} peak MiB | scanpy / {mode} |"
+        rule += "---:|---:|---:|"
+    lines += [head, rule]
+    by_mode = {mode: {run["stage"]: run for run in r["atlasflow"][mode]} for mode in modes}
+    for name in by_mode[modes[0]]:
+        ref = sc.get(name.split("_")[0])
+        row = f"| {name} | {'' if ref is None else f'{ref:.1f}'} |"
+        for mode in modes:
+            run = by_mode[mode].get(name)
+            if run is None:
+                row += " | | |"
+                continue
+            ratio = f"{ref / run['wall_s']:.1f}" if ref and run["rc"] == 0 else ("failed" if run["rc"] else "")
+            row += f" {run['wall_s']:.1f} | {run['peak_rss_sum'] / MiB:.0f} | {ratio} |"
+        lines.append(row)
     lines.append("")
-    lines.append(f"atlasflow chain: {total:.0f} s wall, highest peak {peak / MiB:.0f} MiB (summed RSS of every "
-                 "process of a stage, sampled every 0.2 s).")
+    lines.append("pca_dense: the pca stage reading scale's dense X instead of computing from subset's sparse X "
+                 "(`--unscaled none`); for comparison, not part of the chain. Peak: summed RSS of every process "
+                 "of the stage (with a shared cluster, its scheduler and workers too), sampled every 0.2 s.")
+    for mode in modes:
+        chain = [run for run in r["atlasflow"][mode] if run["stage"] != "pca_dense"]
+        total = sum(run["wall_s"] for run in chain)
+        peak = max(run["peak_rss_sum"] for run in chain)
+        lines.append(f"atlasflow chain, {mode} cluster: {total:.0f} s wall, highest peak {peak / MiB:.0f} MiB.")
     if r.get("scanpy"):
         s = r["scanpy"]
         if s["rc"] == 0:

@@ -40,11 +40,15 @@ MiB = 2**20
 
 
 class TreeSampler(threading.Thread):
-    """Samples the RSS of a process and all its descendants every ``period`` seconds."""
+    """Samples the RSS of a process and all its descendants every ``period`` seconds.
 
-    def __init__(self, pid: int, period: float = 0.2):
+    ``extra`` maps more process ids to labels (a shared cluster's scheduler and workers, which are not the
+    stage's children): they and their descendants are summed in too.
+    """
+
+    def __init__(self, pid: int, period: float = 0.2, extra: dict[int, str] | None = None):
         super().__init__(daemon=True)
-        self.root, self.period = pid, period
+        self.root, self.period, self.extra = pid, period, dict(extra or {})
         self.peak_sum, self.peak_sum_parts = 0, {}
         self.per_process: dict[int, dict] = {}
         self.stop_event = threading.Event()
@@ -55,16 +59,19 @@ class TreeSampler(threading.Thread):
             self.stop_event.wait(self.period)
 
     def sample(self):
-        try:
-            root = psutil.Process(self.root)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
+        procs = []
+        for pid in (self.root, *self.extra):
+            try:
+                root = psutil.Process(pid)
+                procs += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
         parts = {}
         for p in procs:
             try:
                 rss = p.memory_info().rss
-                info = self.per_process.setdefault(p.pid, {"label": _label(p, self.root), "peak_rss": 0})
+                label = self.extra.get(p.pid) or _label(p, self.root)
+                info = self.per_process.setdefault(p.pid, {"label": label, "peak_rss": 0})
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             info["peak_rss"] = max(info["peak_rss"], rss)
@@ -92,15 +99,17 @@ def _label(proc: psutil.Process, root: int) -> str:
 # ------------------------------------------------------------------------------------------- stages
 
 
-def run_stage(name: str, argv: list[str], logdir: Path, script: list[str] | None = None) -> dict:
-    """Run one stage script to completion; wall/CPU time, memory of its process tree, its JSON summary."""
+def run_stage(name: str, argv: list[str], logdir: Path, script: list[str] | None = None,
+              extra_pids: dict[int, str] | None = None) -> dict:
+    """Run one stage script to completion; wall/CPU time, memory of its process tree (plus ``extra_pids``, a
+    shared cluster's processes), its JSON summary. CPU time counts the stage's own process tree only."""
     cmd = script or [sys.executable, str(ROOT / "scripts" / f"{name}.py")]
     log = logdir / f"{name}.log"
     load0 = os.getloadavg()[0]
     t0 = time.time()
     with open(log, "w") as fh:
         proc = subprocess.Popen([*cmd, *argv], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-        sampler = TreeSampler(proc.pid)
+        sampler = TreeSampler(proc.pid, extra=extra_pids)
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)

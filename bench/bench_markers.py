@@ -17,10 +17,14 @@ What it does, in one run:
    agreement of the two top-100 gene lists per group. Appends a markdown table to
    ``bench/results/markers.md``.
 
+   With ``--input STORE`` step 1 is skipped: the markers of an existing log-normalised store are ranked
+   instead, grouped by ``--groupby`` (e.g. the ``log1p.zarr`` of ``bench_foundation.py`` by ``cell_type``).
+
 Usage::
 
     python bench/bench_markers.py                       # 100k cells x 20k genes, ~2000 nnz/cell
     python bench/bench_markers.py --cells 20000 --genes 5000 --workdir /tmp/b   # quick look
+    python bench/bench_markers.py --input /tmp/b1m/log1p.zarr --groupby cell_type --no-scanpy   # 1M cells
 """
 
 from __future__ import annotations
@@ -172,8 +176,8 @@ def run_atlasflow(store: Path, a, client) -> tuple[list[dict], dict]:
     for method in ("t-test", "wilcoxon"):
         adata = open_store(store)
         with PeakRSS(extra=pids) as pr:
-            tl.rank_genes_groups(adata, "leiden", method=method, n_genes=100,
-                                 work_dir=store.parent, gene_block=a.gene_block)
+            tl.rank_genes_groups(adata, a.groupby, method=method, n_genes=100,
+                                 work_dir=a.workdir, gene_block=a.gene_block)
         results[method] = {g: list(adata.uns["rank_genes_groups"]["names"][g]) for g in
                            adata.uns["rank_genes_groups"]["names"].dtype.names}
         rows.append({"tool": f"atlasflow ({a.workers} workers)", "method": method, "seconds": pr.seconds,
@@ -186,12 +190,12 @@ SCANPY_CHILD = r"""
 import json, sys, time, warnings
 import anndata as ad, numpy as np, scanpy as sc, scipy.sparse as sp
 warnings.filterwarnings("ignore")
-store, method, out = sys.argv[1:4]
+store, method, out, groupby = sys.argv[1:5]
 t0 = time.perf_counter()
 a = ad.read_zarr(store)
 a.X = sp.csr_matrix((a.X.data, a.X.indices.astype(np.int64), a.X.indptr.astype(np.int64)), shape=a.shape)
 t1 = time.perf_counter()
-sc.tl.rank_genes_groups(a, "leiden", method=method, n_genes=100)
+sc.tl.rank_genes_groups(a, groupby, method=method, n_genes=100)
 t2 = time.perf_counter()
 names = a.uns["rank_genes_groups"]["names"]
 result = {"load": t1 - t0, "seconds": t2 - t1, "names": {g: list(names[g]) for g in names.dtype.names}}
@@ -199,9 +203,9 @@ json.dump(result, open(out, "w"))
 """
 
 
-def run_scanpy(store: Path, method: str, workdir: Path) -> tuple[dict, dict]:
+def run_scanpy(store: Path, method: str, workdir: Path, groupby: str) -> tuple[dict, dict]:
     out = workdir / f"scanpy-{method}.json"
-    proc = subprocess.Popen([sys.executable, "-c", SCANPY_CHILD, str(store), method, str(out)])
+    proc = subprocess.Popen([sys.executable, "-c", SCANPY_CHILD, str(store), method, str(out), groupby])
     with PeakRSS(pid=proc.pid) as pr:
         proc.wait()
     if proc.returncode != 0:
@@ -233,25 +237,30 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=str(HERE / "work"))
     p.add_argument("--no-scanpy", dest="scanpy", action="store_false")
     p.add_argument("--results", default=str(HERE / "results" / "markers.md"))
+    p.add_argument("--input", default=None, help="rank this log-normalised store instead of simulating one")
+    p.add_argument("--groupby", default="leiden", help="obs column of the groups (the simulated store's: leiden)")
     a = p.parse_args(argv)
 
     from distributed import Client, LocalCluster
 
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    store = workdir / f"sim_{a.cells}x{a.genes}_{a.nnz_per_cell}.zarr"
+    store = Path(a.input) if a.input else workdir / f"sim_{a.cells}x{a.genes}_{a.nnz_per_cell}.zarr"
     with LocalCluster(n_workers=a.workers, threads_per_worker=1, memory_limit=a.memory_limit,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        t0 = time.perf_counter()
-        make_store(store, a)
-        print(f"store ready in {time.perf_counter() - t0:.0f} s: {store}", flush=True)
+        if a.input:
+            described_by_input(store, a)
+        else:
+            t0 = time.perf_counter()
+            make_store(store, a)
+            print(f"store ready in {time.perf_counter() - t0:.0f} s: {store}", flush=True)
         rows, ours = run_atlasflow(store, a, client)
     import zarr
 
     nnz = int(zarr.open_group(str(store), mode="r")["X"]["data"].shape[0])
     if a.scanpy:
         for method in ("t-test", "wilcoxon"):
-            row, names = run_scanpy(store, method, workdir)
+            row, names = run_scanpy(store, method, workdir, a.groupby)
             if names:
                 share = agreement(ours[method], names)
                 row["note"] = row.get("note", "") + f"; top-100 agreement with atlasflow {share:.3f}"
@@ -260,13 +269,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def described_by_input(store: Path, a) -> None:
+    """Set the size arguments (cells, genes, groups) from an existing store, for the table."""
+    from atlasflow.store import open_store
+
+    adata = open_store(store)
+    a.cells, a.genes = adata.shape
+    a.groups = adata.obs[a.groupby].astype("category").cat.categories.size
+
+
 def write_table(path: Path, a, nnz: int, rows: list[dict]) -> None:
     import psutil
 
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [
         f"\n## {a.cells:,} cells x {a.genes:,} genes, {nnz:,} non-zeros ({nnz / a.cells:.0f} per cell), "
-        f"{a.groups} groups — {time.strftime('%Y-%m-%d %H:%M')}",
+        f"{a.groups} groups ({a.groupby}{f' of {a.input}' if a.input else ', simulated'}) — "
+        f"{time.strftime('%Y-%m-%d %H:%M')}",
         "",
         f"Machine: {platform.node()}, {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
         f"load average {os.getloadavg()[0]:.1f} at the end (shared machine: times are indicative). "

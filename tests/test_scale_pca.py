@@ -269,6 +269,93 @@ def test_stage_passes_over_x(tutorial, tmp_path):
     assert isinstance(out.X, np.ndarray)  # dense after scale
 
 
+@pytest.mark.parametrize("zero_center,max_value", [(True, 10.0), (True, None), (True, 0.5), (False, 2.0)])
+def test_scaled_gram_from_sparse_equals_dense(zero_center, max_value):
+    """The sparse route's Gram matrix, sums and projection equal those of the densely scaled block, including
+    clipped implicit zeros (a gene in every cell with a small spread), stored zeros and unsorted indices."""
+    from atlasflow import kernels
+
+    rng = np.random.default_rng(3)
+    x = sp.random(400, 60, density=0.1, random_state=4, format="csr", dtype=np.float32)
+    x.data = rng.gamma(2, 1, x.nnz).astype(np.float32)
+    x = x.tolil()
+    x[:, 7] = 5 + rng.random((400, 1)) * 0.01  # -mean/std far below -max_value: its zeros would clip
+    x = x.tocsr()
+    x[:, 7] = x[:, 7].toarray()
+    x[3, 7] = 0.0  # one cell without it
+    x.data[:5] = 0  # stored zeros
+    x.indices = x.indices.copy()
+    lo, hi = x.indptr[10], x.indptr[11]
+    x.indices[lo:hi], x.data[lo:hi] = x.indices[lo:hi][::-1].copy(), x.data[lo:hi][::-1].copy()
+    x.has_sorted_indices = False
+    dense = x.toarray()
+    mean, std = dense.mean(0).astype(np.float64), dense.std(0, ddof=1).astype(np.float64)
+    scaling = (mean, std, zero_center, max_value, np.dtype(np.float32))
+    z = kernels.scale_block(x, *scaling)
+    z = z.toarray() if sp.issparse(z) else z  # sparse when not centred
+    if max_value is not None and zero_center:
+        assert (z[:, 7] == -max_value).any()  # the clipped-zero case is exercised
+    comps, offset = rng.normal(size=(60, 4)), rng.normal(size=4)
+    for cols in (None, np.arange(0, 60, 2)):
+        zc = z if cols is None else z[:, cols]
+        m = zc.shape[1]
+        z0 = kernels.scaled_zero(mean if cols is None else mean[cols], std if cols is None else std[cols],
+                                 *scaling[2:])
+        y = zc.astype(np.float64) - z0
+        ref, got = kernels.gram_and_sums(y), kernels.scaled_gram_and_sums(x, *scaling, cols)
+        ref[: m * m] = np.triu(ref[: m * m].reshape(m, m)).ravel()
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+        np.testing.assert_allclose(kernels.scaled_gram_and_sums(x.toarray(), *scaling, cols), ref, rtol=1e-12,
+                                   atol=1e-12 * np.abs(ref).max())  # the dense (and GPU) route
+        c = comps[: zc.shape[1]]
+        np.testing.assert_allclose(kernels.scaled_project_block(x, *scaling, c, offset, cols),
+                                   kernels.project_block(zc, c, offset), rtol=1e-12, atol=1e-12)
+
+
+def test_pca_stage_from_the_sparse_matrix_scale_read(tutorial, tmp_path, caplog):
+    """scanpy's current tutorial (no regress_out): pca reads subset's sparse X and scales it on the fly, never
+    the dense scaled X, and matches scanpy and the dense route; without a usable sparse source it says so."""
+    import logging
+
+    import scanpy as sc
+    from threadpoolctl import threadpool_limits
+
+    from atlasflow.stages import pca, scale
+
+    ref = tutorial["hvg"].copy()
+    sc.pp.scale(ref, max_value=10)
+    with threadpool_limits(1), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sc.pp.pca(ref, svd_solver="covariance_eigh")
+    sub = store_of(tutorial["hvg"], tmp_path / "subset.zarr", 700)
+    scaled = tmp_path / "scale.zarr"
+    with dask.config.set(scheduler="sync"):
+        _run_stage(scale, ["--input", str(sub), "--output", str(scaled), "--max-value", "10"])
+    runs = {}
+    for name, unscaled in [("sparse", str(sub)), ("dense", "none"), ("dense_mismatch", str(tutorial_store(
+            tutorial, tmp_path)))]:
+        out = tmp_path / f"pca_{name}.zarr"
+        caplog.clear()
+        with dask.config.set(scheduler="sync"), count_x_reads(scaled) as reads, caplog.at_level(logging.INFO):
+            _run_stage(pca, ["--input", str(scaled), "--output", str(out), "--unscaled", unscaled])
+        runs[name] = ad.read_zarr(out)
+        from_sparse = "from the sparse matrix X was scaled from" in caplog.text
+        assert from_sparse == (name == "sparse"), name
+        assert (reads["X"] == 0) == (name == "sparse"), name
+    assert "does not have the cells and genes" in caplog.text
+    _assert_pca_matches(runs["sparse"], ref, n_check=50)
+    dense, sparse = runs["dense"], runs["sparse"]
+    np.testing.assert_array_equal(runs["dense_mismatch"].obsm["X_pca"], dense.obsm["X_pca"])
+    np.testing.assert_allclose(sparse.uns["pca"]["variance"], dense.uns["pca"]["variance"], rtol=1e-10)
+    np.testing.assert_allclose(sparse.varm["PCs"], dense.varm["PCs"], atol=1e-8)
+    np.testing.assert_allclose(sparse.obsm["X_pca"], dense.obsm["X_pca"], atol=1e-5)
+
+
+def tutorial_store(tutorial, tmp_path):
+    """A sparse store with the HVG genes but not all the cells: not what scale read."""
+    return store_of(tutorial["hvg"][:2000].copy(), tmp_path / "fewer_cells.zarr", 700)
+
+
 def test_stages_on_the_cluster_and_bad_input(tutorial, client, tmp_path):
     from atlasflow.cli import stage_main
     from atlasflow.stages import pca, regress_out, scale

@@ -157,13 +157,13 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
 
 #: Arguments holding paths: made absolute so that workers started in another directory find them.
 PATH_ARGS = ("input", "output", "summary", "log", "per_sample", "sample_sheet", "counts", "groups_store",
-             "scheduler_file")
+             "scheduler_file", "unscaled")
 
 
 def _absolute_paths(args) -> None:
     for key in PATH_ARGS:
         value = getattr(args, key, None)
-        if isinstance(value, str) and value:
+        if isinstance(value, str) and value and value.lower() not in ("none", "null"):
             setattr(args, key, os.path.abspath(value))
 
 

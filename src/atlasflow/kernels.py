@@ -28,8 +28,19 @@ def per_row(x: da.Array, fn, ncols: int, *args) -> da.Array:
     )
 
 
+#: Partials added per task of ``over_blocks``' reduction tree.
+SUM_FAN_IN = 4
+
+
 def over_blocks(x: da.Array, fn, size: int, *args) -> da.Array:
-    """Sum over row blocks of ``fn(block) -> (size,)`` float64 partials, as a lazy (size,) array."""
+    """Sum over row blocks of ``fn(block) -> (size,)`` float64 partials, as a lazy (size,) array.
+
+    The partials are added in a fixed tree (``SUM_FAN_IN`` per task, the same order whatever the scheduling),
+    each task adding into one buffer. Dask's generic sum stacks its inputs first, a copy of every partial:
+    with Gram-matrix partials (32 MB for 2,000 genes) that was a fifth of PCA's pass.
+    """
+    import dask
+
     if x.numblocks[1] != 1:
         x = x.rechunk({1: -1})
     parts = x.map_blocks(
@@ -39,7 +50,20 @@ def over_blocks(x: da.Array, fn, size: int, *args) -> da.Array:
         dtype=np.float64,
         meta=np.empty((0, 0), np.float64),
     )
-    return parts.sum(axis=0)
+    level = list(parts.to_delayed().ravel())
+    while True:
+        level = [dask.delayed(_add_partials, pure=True)(*level[i : i + SUM_FAN_IN])
+                 for i in range(0, len(level), SUM_FAN_IN)]
+        if len(level) == 1:
+            return da.from_delayed(level[0], shape=(size,), dtype=np.float64, meta=np.empty((0,), np.float64))
+
+
+def _add_partials(*parts: np.ndarray) -> np.ndarray:
+    """The sum of same-sized partials as a flat float64 array, added in order into one new buffer."""
+    out = np.array(parts[0], dtype=np.float64).ravel()
+    for part in parts[1:]:
+        out += part.ravel()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -424,15 +448,26 @@ def scale_block(block, mean, std, zero_center, max_value, dtype, row_mask=None):
         out.data = vals.astype(dtype)
         return out
     b = (block.toarray() if issparse(block) else block).astype(dtype, copy=False)
-    x = (b - mean).astype(dtype) if zero_center else b
+    x = scaled_values(b, mean, std, zero_center, max_value, dtype, xp)
+    if rows is not None:
+        x = xp.where(rows[:, None], x, b)
+    return x
+
+
+def scaled_values(values, mean, std, zero_center, max_value, dtype, xp=np):
+    """``values`` (already ``dtype``) centred and scaled with scanpy's roundings, then clipped at ``max_value``.
+
+    The one place the dense scaling arithmetic lives, so that PCA of scaled sparse data
+    (``scaled_gram_and_sums``) sees exactly the values the scale stage writes.
+    """
+    dtype = np.dtype(dtype)
+    x = (values - mean).astype(dtype) if zero_center else values
     x = (x / std).astype(dtype)
     if max_value is not None:
         hi = dtype.type(max_value)
         x = xp.where(x > hi, hi, x)
         if zero_center:
             x = xp.where(x < -hi, -hi, x)
-    if rows is not None:
-        x = xp.where(rows[:, None], x, b)
     return x
 
 
@@ -456,6 +491,117 @@ def gram_and_sums(block, col_idx=None, slice_rows=2048):
         gram += part.T @ part
         sums += part.sum(axis=0)
     return xp.concatenate([gram.ravel(), sums])
+
+
+def scaled_gram_and_sums(block, mean, std, zero_center, max_value, dtype, col_idx=None):
+    """Upper triangle of ``YᵀY`` (flattened, float64) then the column sums of ``Y``, where ``Y`` is
+    ``scale_block(block, mean, std, ...)`` minus ``scaled_zero(...)``, the scaled value of a zero.
+
+    ``Y`` is zero wherever ``block`` is, so on a sparse block ``YᵀY`` costs Σ nnz(row)² products instead of
+    rows x genes² (about 100x fewer on HVG-subset data); ``pp.pca`` adds the ``z0`` terms once, after the sum
+    over blocks. Dense and GPU blocks are scaled and multiplied densely (GEMM is what a GPU is fast at).
+    """
+    xp = xp_of(block)
+    block, mean, std = _scaling_columns(block, mean, std, col_idx, xp)
+    if not issparse(block) or xp is not np:
+        z0 = xp.asarray(scaled_zero(to_host(mean), to_host(std), zero_center, max_value, dtype))
+        z = scale_block(block, mean, std, zero_center, max_value, dtype)
+        y = _as_float(z.toarray() if issparse(z) else z, xp) - z0[None, :]
+        parts = gram_and_sums(y)
+        m = y.shape[1]
+        return xp.concatenate([xp.triu(parts[: m * m].reshape(m, m)).ravel(), parts[m * m :]])
+    y = _scaled_sparse(block, mean, std, zero_center, max_value, dtype)
+    m = y.shape[1]
+    out = np.zeros(m * m + m, dtype=np.float64)  # the Gram matrix is filled in place: no 32 MB copy per block
+    _sparse_gram_upper()(y.indptr.astype(np.int64), y.indices.astype(np.int64), y.data,
+                         out[: m * m].reshape(m, m), GRAM_TILE)
+    out[m * m :] = np.bincount(y.indices, weights=y.data, minlength=m)
+    return out
+
+
+def scaled_zero(mean, std, zero_center, max_value, dtype) -> np.ndarray:
+    """What ``scale_block`` makes of a zero in each column (float64 host array)."""
+    dtype = np.dtype(dtype)
+    mean, std = np.asarray(mean, dtype=np.float64), np.asarray(std, dtype=np.float64)
+    return scaled_values(np.zeros(mean.shape[0], dtype=dtype), mean, std, zero_center, max_value, dtype).astype(
+        np.float64)
+
+
+def scaled_project_block(block, mean, std, zero_center, max_value, dtype, components, offset, col_idx=None):
+    """``project_block`` of ``scale_block(block, mean, std, ...)``: ``1 (z0ᵀV) + Y V - offset`` if sparse."""
+    xp = xp_of(block)
+    block, mean, std = _scaling_columns(block, mean, std, col_idx, xp)
+    if not issparse(block) or xp is not np:
+        return project_block(scale_block(block, mean, std, zero_center, max_value, dtype), components, offset)
+    y = _scaled_sparse(block, mean, std, zero_center, max_value, dtype)
+    z0 = scaled_zero(mean, std, zero_center, max_value, dtype)
+    comps = np.asarray(components, dtype=np.float64)
+    return y @ comps + (z0 @ comps - np.asarray(offset, dtype=np.float64))[None, :]
+
+
+def _scaling_columns(block, mean, std, col_idx, xp):
+    """The block's selected columns with their means and standard deviations (float64, block's module)."""
+    mean = xp.asarray(mean, dtype=xp.float64)
+    std = xp.asarray(std, dtype=xp.float64)
+    if col_idx is not None:
+        cols = xp.asarray(col_idx)
+        block, mean, std = block[:, cols], mean[cols], std[cols]
+    return block, mean, std
+
+
+def _scaled_sparse(block, mean, std, zero_center, max_value, dtype):
+    """CSR of the scaled values minus the scaled zero ``z0`` on the stored entries (canonical, float64).
+
+    Values are rounded exactly as ``scale_block`` rounds them.
+    """
+    dtype = np.dtype(dtype)
+    y = block.tocsr(copy=True)
+    y.sum_duplicates()  # also sorts the column indices, which the tiled Gram loop needs
+    z = scaled_values(y.data.astype(dtype, copy=False), mean[y.indices], std[y.indices], zero_center, max_value,
+                      dtype)
+    y.data = z.astype(np.float64) - scaled_zero(mean, std, zero_center, max_value, dtype)[y.indices]
+    return y
+
+
+#: Columns per tile of the sparse Gram loop: a tile pair of the Gram matrix stays in cache (2x faster than
+#: scattering over the whole matrix, measured on 2,000 HVGs).
+GRAM_TILE = 512
+_GRAM_KERNEL = None
+
+
+def _sparse_gram_upper():
+    """The numba loop adding each CSR row's outer product to the upper triangle of a dense Gram matrix.
+
+    Tile pair by tile pair of columns (rows' sorted indices split at tile boundaries once); compiled on first
+    use and cached on disk.
+    """
+    global _GRAM_KERNEL
+    if _GRAM_KERNEL is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def upper(indptr, indices, data, gram, tile):
+            n, m = indptr.shape[0] - 1, gram.shape[0]
+            nt = (m + tile - 1) // tile
+            pos = np.empty((n, nt + 1), np.int64)  # pos[r, t]: first entry of row r in column tile t
+            for r in range(n):
+                a, stop = indptr[r], indptr[r + 1]
+                for t in range(nt):
+                    while a < stop and indices[a] < t * tile:
+                        a += 1
+                    pos[r, t] = a
+                pos[r, nt] = stop
+            for ti in range(nt):
+                for tj in range(ti, nt):
+                    for r in range(n):
+                        a0, a1, b1 = pos[r, ti], pos[r, ti + 1], pos[r, tj + 1]
+                        for a in range(a0, a1):
+                            i, v = indices[a], data[a]
+                            for b in range(a if ti == tj else pos[r, tj], b1):
+                                gram[i, indices[b]] += v * data[b]
+
+        _GRAM_KERNEL = upper
+    return _GRAM_KERNEL
 
 
 def project_block(block, components, offset, col_idx=None):

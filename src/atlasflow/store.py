@@ -149,12 +149,17 @@ def check_complete(path: Path, key: str) -> None:
         )
 
 
+def provenance(path: str | os.PathLike) -> dict:
+    """The provenance a stage recorded in its store (the stage and its parameters); {} when unreadable."""
+    try:
+        return dict(zarr.open_group(str(path), mode="r").attrs.get(META_KEY, {}).get("provenance", {}))
+    except Exception:  # noqa: BLE001
+        return {}
+
+
 def writer_of(path: Path) -> str:
     """'the <stage> stage' that wrote a store, from its provenance (for error messages)."""
-    try:
-        stage = zarr.open_group(str(path), mode="r").attrs.get(META_KEY, {}).get("provenance", {}).get("stage")
-    except Exception:  # noqa: BLE001
-        stage = None
+    stage = provenance(path).get("stage")
     return f"the {stage} stage" if stage else "the stage that wrote it"
 
 

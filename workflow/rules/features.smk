@@ -1,6 +1,7 @@
 # Features and embedding: hvg -> subset -> [regress_out] -> scale -> pca, plus optional gene scores.
 # hvg marks genes on the full log1p store (seurat_v3/poisson flavors read the filter store's counts);
-# subset writes the smaller matrix; scale writes dense X; pca adds obsm X_pca, varm PCs, uns pca.
+# subset writes the smaller matrix; scale writes dense X; pca adds obsm X_pca, varm PCs, uns pca (computed
+# from scale's sparse input, scaled on the fly, when it is sparse).
 
 
 PIPELINE.extend(["hvg", "subset", "scale", "pca"])
@@ -97,6 +98,7 @@ rule scale:
 rule pca:
     input:
         input=store("scale"),
+        unscaled=scale_input,  # when sparse, PCA scales it on the fly instead of reading dense X
     output:
         output=directory(store("pca")),
         summary=summary_json("pca"),

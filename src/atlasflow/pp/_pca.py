@@ -6,13 +6,19 @@ svd_solver='covariance_eigh')`` runs) built from per-block float64 partials: cov
 variance ratios over the trace), signs fixed as sklearn's ``svd_flip`` does (the largest-magnitude loading of
 each component is positive). A second pass projects each block, ``X @ V - μ @ V``. ``zero_center=False``
 gives the truncated SVD (top eigenvectors of ``XᵀX``) with TruncatedSVD's variance definitions.
+
+Scaled data are dense, but the matrix they were scaled from usually is not: given ``scaled_from`` (the
+sparse matrix and the scale stage's means, deviations and clip), both passes read that instead and scale
+on the fly (``kernels.scaled_gram_and_sums``): the same values, a fraction of the bytes and products.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import anndata as ad
+import dask.array as da
 import numpy as np
 
 from atlasflow import kernels, progress
@@ -25,6 +31,22 @@ N_PCS = 50
 #: default cap on the Gram matrix (float64) a PCA may accumulate, in MiB (~16,000 genes)
 MAX_GRAM_MIB = 2048
 _EMPTY = object()
+
+
+@dataclass(frozen=True)
+class ScaledFrom:
+    """What a scaled X was computed from: ``X == kernels.scale_block(source, mean, std, zero_center, ...)``."""
+
+    source: da.Array
+    mean: np.ndarray
+    std: np.ndarray
+    zero_center: bool
+    max_value: float | None
+    dtype: np.dtype
+
+    def scaling(self) -> tuple:
+        """The arguments of ``kernels.scale_block`` after the block."""
+        return (shared(self.mean), shared(self.std), self.zero_center, self.max_value, np.dtype(self.dtype))
 
 
 def pca(
@@ -41,6 +63,7 @@ def pca(
     key_added: str | None = None,
     copy: bool = False,
     max_gram_mib: float = MAX_GRAM_MIB,
+    scaled_from: ScaledFrom | None = None,
 ):
     """Principal components with scanpy's outputs: ``obsm['X_pca']``, ``varm['PCs']``, ``uns['pca']``.
 
@@ -48,13 +71,18 @@ def pca(
     of the other genes are 0. ``n_comps`` defaults to 50 (or one less than the smaller dimension). A gene
     count whose Gram matrix exceeds ``max_gram_mib`` is refused: subset to highly variable genes first.
     ``svd_solver`` and ``random_state`` are accepted for scanpy compatibility; the result is the exact
-    covariance eigendecomposition, deterministic.
+    covariance eigendecomposition, deterministic. ``scaled_from`` (X only, not a layer) computes from the
+    sparse matrix X was scaled from.
     """
     adata = adata.copy() if copy else adata
     if svd_solver not in (None, "covariance_eigh", "auto"):
         log.info("pca: svd_solver=%r is computed as 'covariance_eigh' (the exact out-of-core solver)", svd_solver)
     mask_param, mask = _mask(adata, mask_var, use_highly_variable)
     X = get_matrix(adata, layer, "pca")
+    if scaled_from is not None:
+        if layer is not None or scaled_from.source.shape != X.shape:
+            raise ConfigError("pca: scaled_from must describe X and have its shape")
+        X = scaled_from.source
     n = X.shape[0]
     col_idx = None if mask is None else np.flatnonzero(mask)
     m = X.shape[1] if col_idx is None else len(col_idx)
@@ -71,9 +99,18 @@ def pca(
             "subset to highly variable genes first (hvg + subset stages) or raise max_gram_mib"
         )
     idx_arg = None if col_idx is None else shared(col_idx)
-    gram_parts = kernels.over_blocks(X, kernels.gram_and_sums, m * m + m, idx_arg)
+    if scaled_from is None:
+        gram_parts = kernels.over_blocks(X, kernels.gram_and_sums, m * m + m, idx_arg)
+        project, proj_args = kernels.project_block, ()
+    else:
+        log.info("pca: Gram matrix and projection from the sparse matrix X was scaled from")
+        scaling = scaled_from.scaling()
+        gram_parts = kernels.over_blocks(X, kernels.scaled_gram_and_sums, m * m + m, *scaling, idx_arg)
+        project, proj_args = kernels.scaled_project_block, scaling
     (parts,) = progress.compute(gram_parts, label="pca: Gram matrix")
     gram, sums = parts[: m * m].reshape(m, m), parts[m * m :]
+    if scaled_from is not None:
+        gram, sums = _add_scaled_zero(gram, sums, scaled_from, col_idx, n)
     mu = sums / n
     if zero_center:
         cov = gram - n * np.outer(mu, mu)
@@ -89,7 +126,7 @@ def pca(
         variance = np.einsum("ij,jk,ik->i", comps, cov_biased, comps)
         variance_ratio = variance / np.trace(cov_biased)
         offset = np.zeros(n_comps)
-    proj = X.map_blocks(kernels.project_block, shared(comps.T.copy()), offset, idx_arg,
+    proj = X.map_blocks(project, *proj_args, shared(comps.T.copy()), offset, idx_arg,
                         chunks=(X.chunks[0], (n_comps,)), dtype=np.float64, meta=np.empty((0, 0)))
     (x_pca,) = progress.compute(proj, label="pca: projection")
     x_pca = x_pca.astype(dtype, copy=False)
@@ -109,6 +146,20 @@ def pca(
     log.info("pca: %d components of %d cells x %d genes; variance ratio of PC1 %.4f", n_comps, n, m,
              variance_ratio[0])
     return adata if copy else None
+
+
+def _add_scaled_zero(upper, ysums, scaled_from: ScaledFrom, col_idx, n: int):
+    """Gram matrix and sums of ``Z = Y + 1z0ᵀ`` from the upper triangle of ``YᵀY`` and the sums of ``Y``."""
+    mean, std = scaled_from.mean, scaled_from.std
+    if col_idx is not None:
+        mean, std = mean[col_idx], std[col_idx]
+    z0 = kernels.scaled_zero(mean, std, scaled_from.zero_center, scaled_from.max_value, scaled_from.dtype)
+    gram = upper + np.triu(upper, 1).T
+    cross = np.outer(z0, ysums)
+    gram += n * np.outer(z0, z0)
+    gram += cross
+    gram += cross.T
+    return gram, n * z0 + ysums
 
 
 def _top_eigh(sym: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

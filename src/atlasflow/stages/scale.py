@@ -29,5 +29,6 @@ def run(args, client) -> dict:
     key = "X" if args.layer is None else f"layers/{args.layer}"
     row_nnz = {key: stored_row_nnz(args.input, key)} if keeps_structure else None
     write_store(adata, args.output, chunk_rows=args.chunk_rows, row_nnz=row_nnz,
-                provenance={"stage": "scale", "zero_center": args.zero_center, "max_value": args.max_value})
+                provenance={"stage": "scale", "zero_center": args.zero_center, "max_value": args.max_value,
+                            "mask_obs": args.mask_obs, "layer": args.layer})
     return {**shape_summary(adata, adata), "zero_center": args.zero_center, "max_value": args.max_value}
