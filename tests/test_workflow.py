@@ -248,6 +248,8 @@ def test_end_to_end_outputs(built):
     assert final.shape == filtered.shape
     assert {"X_pca", "X_umap"} <= set(final.obsm) and "leiden" in final.obs and "counts" in final.layers
     assert "rank_genes_groups" in final.uns
+    # pca computed from subset's sparse matrix, scaled on the fly, not from scale's dense X
+    assert "from the sparse matrix X was scaled from" in (built / "logs" / DATASET / "pca.log").read_text()
     assert (built / "results" / DATASET / "rank_genes_groups.csv").stat().st_size > 0
     assert len(list((built / "results" / DATASET / "plots").glob("*.png"))) >= 5
 

@@ -50,7 +50,7 @@ def over_blocks(x: da.Array, fn, size: int, *args) -> da.Array:
         dtype=np.float64,
         meta=np.empty((0, 0), np.float64),
     )
-    level = list(parts.to_delayed().ravel())
+    level = list(parts.to_delayed(optimize_graph=False).ravel())  # keys shared with other results of X
     while True:
         level = [dask.delayed(_add_partials, pure=True)(*level[i : i + SUM_FAN_IN])
                  for i in range(0, len(level), SUM_FAN_IN)]

@@ -1,0 +1,43 @@
+"""The smoke version of the whole-pipeline benchmark: it runs every mode and writes its table and plot.
+
+Timings are not checked (benchmarks are not timed tests); what is checked is that the staged Snakemake
+run, the fused run and scanpy each completed every step, and that the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.slow, pytest.mark.workflow]
+
+
+def test_pipeline_bench_smoke_runs_every_mode_and_writes_its_report(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_pipeline import STEPS
+
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_pipeline.py"), "--smoke", "--results", str(results),
+         "--workdir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((results / "pipeline_smoke.json").read_text())
+    run = data["sizes"]["2000"]
+    for mode in ("staged", "fused", "scanpy"):
+        assert set(STEPS) <= set(run[mode]["steps"]), (mode, sorted(run[mode]["steps"]))
+        assert run[mode]["peak"] > 50 * 2**20, mode  # at least a Python process was sampled
+    staged = run["staged"]["steps"]
+    assert all(staged[s]["seconds"] > 0 and staged[s]["peak"] > 0 for s in STEPS)  # each job was seen running
+    assert staged["qc"]["io"][0] > 0 and staged["markers_wilcoxon"]["io"][1] > 0  # read X; wrote the copy
+    table = (results / "pipeline_smoke.md").read_text()
+    assert all(f"| {s} |" in table for s in STEPS) and "| **all steps** |" in table
+    assert (results / "pipeline_smoke.png").stat().st_size > 10_000
+    assert not (tmp_path / "work" / "2000").exists()  # stores removed without --keep
