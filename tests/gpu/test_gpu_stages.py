@@ -181,6 +181,15 @@ def run_chain(store, backend: str) -> dict:
         pp.pca(a, n_comps=30)
         return _snapshot(a, values=False)
 
+    def pca_sparse():
+        """PCA from the sparse matrix scale read, scaled on the fly (the workflow's route)."""
+        from atlasflow.pp._pca import ScaledFrom
+
+        a, source = state["scaled"].copy(), state["sub"].X
+        scaled_from = ScaledFrom(source, a.var["mean"].to_numpy(), a.var["std"].to_numpy(), True, 10.0, a.X.dtype)
+        pp.pca(a, n_comps=30, scaled_from=scaled_from)
+        return {**_snapshot(a, values=False), "kinds": block_kinds(source)}
+
     step("qc", qc)
     step("filter", filt, "qc")
     step("normalize", normalize, "filter")
@@ -191,6 +200,7 @@ def run_chain(store, backend: str) -> dict:
     step("regress_out", regress, "subset")
     step("scale", scale, "subset")
     step("pca", pca, "scale")
+    step("pca_sparse", pca_sparse, "scale")
     return out
 
 
@@ -349,9 +359,11 @@ def test_scale(gpu_run, cpu_ref):
     np.testing.assert_allclose(got["var"]["std"], ref["var"]["std"], rtol=1e-10)  # oracle: 1e-12 (sum order)
 
 
-def test_pca(gpu_run, cpu_ref):
-    got, ref = _result(gpu_run, "pca"), cpu_ref["pca"]
-    assert_on_gpu(got["kinds"], sparse=False)
+@pytest.mark.parametrize("route", ["pca", "pca_sparse"])
+def test_pca(gpu_run, cpu_ref, route):
+    """Both routes on the GPU (dense scaled X; the sparse matrix scale read) against the CPU's dense route."""
+    got, ref = _result(gpu_run, route), cpu_ref["pca"]
+    assert_on_gpu(got["kinds"], sparse=route == "pca_sparse")
     np.testing.assert_allclose(got["uns"]["pca"]["variance_ratio"], ref["uns"]["pca"]["variance_ratio"], rtol=1e-4)
     np.testing.assert_allclose(got["uns"]["pca"]["variance"], ref["uns"]["pca"]["variance"], rtol=1e-4)
     P, R = got["varm"]["PCs"], ref["varm"]["PCs"]
