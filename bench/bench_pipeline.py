@@ -106,14 +106,14 @@ class Sampler(threading.Thread):
                 roots += [pids["scheduler"], *pids["workers"]]
             except (ValueError, KeyError):
                 pass
-        procs = []
+        procs = {}  # by pid: the workflow's shared cluster is also in Snakemake's tree, count it once
         for pid in roots:
             try:
                 p = psutil.Process(pid)
-                procs += [p, *p.children(recursive=True)]
+                procs.update((q.pid, q) for q in [p, *p.children(recursive=True)])
             except psutil.NoSuchProcess:
                 continue
-        return procs
+        return list(procs.values())
 
     def sample(self):
         total, steps, io = 0, set(), [0, 0]
