@@ -510,7 +510,7 @@ def scaled_gram_and_sums(block, mean, std, zero_center, max_value, dtype, col_id
         parts = gram_and_sums(y)
         m = y.shape[1]
         return xp.concatenate([xp.triu(parts[: m * m].reshape(m, m)).ravel(), parts[m * m :]])
-    y = _scaled_sparse(block, mean, std, zero_center, max_value, dtype)
+    y, _ = _scaled_sparse(block, mean, std, zero_center, max_value, dtype)
     m = y.shape[1]
     out = np.zeros(m * m + m, dtype=np.float64)  # the Gram matrix is filled in place: no 32 MB copy per block
     _sparse_gram_upper()(y.indptr.astype(np.int64), y.indices.astype(np.int64), y.data,
@@ -533,8 +533,7 @@ def scaled_project_block(block, mean, std, zero_center, max_value, dtype, compon
     block, mean, std = _scaling_columns(block, mean, std, col_idx, xp)
     if not issparse(block) or xp is not np:
         return project_block(scale_block(block, mean, std, zero_center, max_value, dtype), components, offset)
-    y = _scaled_sparse(block, mean, std, zero_center, max_value, dtype)
-    z0 = scaled_zero(mean, std, zero_center, max_value, dtype)
+    y, z0 = _scaled_sparse(block, mean, std, zero_center, max_value, dtype)
     comps = np.asarray(components, dtype=np.float64)
     return y @ comps + (z0 @ comps - np.asarray(offset, dtype=np.float64))[None, :]
 
@@ -550,17 +549,17 @@ def _scaling_columns(block, mean, std, col_idx, xp):
 
 
 def _scaled_sparse(block, mean, std, zero_center, max_value, dtype):
-    """CSR of the scaled values minus the scaled zero ``z0`` on the stored entries (canonical, float64).
-
-    Values are rounded exactly as ``scale_block`` rounds them.
+    """(Y, z0): the CSR of the scaled values minus the scaled zero ``z0`` on the stored entries (canonical,
+    float64), and ``z0``. Values are rounded exactly as ``scale_block`` rounds them.
     """
     dtype = np.dtype(dtype)
     y = block.tocsr(copy=True)
     y.sum_duplicates()  # also sorts the column indices, which the tiled Gram loop needs
     z = scaled_values(y.data.astype(dtype, copy=False), mean[y.indices], std[y.indices], zero_center, max_value,
                       dtype)
-    y.data = z.astype(np.float64) - scaled_zero(mean, std, zero_center, max_value, dtype)[y.indices]
-    return y
+    z0 = scaled_zero(mean, std, zero_center, max_value, dtype)
+    y.data = z.astype(np.float64) - z0[y.indices]
+    return y, z0
 
 
 #: Columns per tile of the sparse Gram loop: a tile pair of the Gram matrix stays in cache (2x faster than

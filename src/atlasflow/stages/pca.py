@@ -63,7 +63,6 @@ def scaled_source(adata, scaled: str, unscaled: str | None, chunk_rows: int) -> 
     if not unscaled or str(unscaled).lower() == "none":
         return None
     prov = provenance(scaled)
-    source = open_store(unscaled, chunk_rows=chunk_rows)
     why = None
     if prov.get("stage") != "scale" or "layer" not in prov:
         why = f"{scaled} has no scale-stage provenance"
@@ -71,7 +70,7 @@ def scaled_source(adata, scaled: str, unscaled: str | None, chunk_rows: int) -> 
         why = "the scale stage used a layer or mask_obs"
     elif not {"mean", "std"} <= set(adata.var.columns):
         why = "var lacks the scale stage's mean and std"
-    elif source.X is None or not _is_sparse_meta(source.X):
+    elif (source := open_store(unscaled, chunk_rows=chunk_rows)).X is None or not _is_sparse_meta(source.X):
         why = f"X of {unscaled} is not sparse"
     elif (source.shape != adata.shape or not source.var_names.equals(adata.var_names)
           or not source.obs_names.equals(adata.obs_names)):
