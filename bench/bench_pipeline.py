@@ -147,6 +147,62 @@ class Sampler(threading.Thread):
         self.sample()
 
 
+def run_sampled(argv: list[str], log: Path, step_of=None, pids_file: Path | None = None) -> tuple[int, Sampler, float]:
+    """Run a child process to completion with its output in ``log``, sampled; its exit code, sampler, wall time."""
+    t0 = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
+        sampler = Sampler(proc.pid, pids_file=pids_file, step_of=step_of)
+        sampler.start()
+        rc = proc.wait()
+        sampler.stop()
+    return rc, sampler, time.time() - t0
+
+
+def step_record(seconds: float, sampler: Sampler, step: str) -> dict:
+    """One step's entry of a mode's results: its time and what the sampler charged to it."""
+    return {"seconds": seconds, "peak": sampler.peak.get(step, 0), "io": sampler.io.get(step, [0, 0])}
+
+
+class StepClock:
+    """In a child process: times each step and names the running one in ``<timings>.now`` for the parent's
+    sampler (``current_step`` reads it); ``save`` writes the times to ``timings``."""
+
+    def __init__(self, timings: str):
+        self.timings, self.now, self.times = Path(timings), Path(timings + ".now"), {}
+
+    def step(self, name, fn):
+        self.now.write_text(name)
+        t = time.time()
+        result = fn()
+        self.times[name] = time.time() - t
+        return result
+
+    def save(self):
+        self.now.unlink(missing_ok=True)
+        self.timings.write_text(json.dumps(self.times))
+
+
+def current_step(timings: Path):
+    """The parent's side of ``StepClock``: a function naming the child's running step (None between steps)."""
+    now = Path(str(timings) + ".now")
+
+    def current():
+        try:
+            return now.read_text() or None
+        except OSError:
+            return None
+
+    return current
+
+
+def child_results(timings: Path, sampler: Sampler, wall: float) -> dict:
+    """A fused or scanpy run's results from its child's step times and the parent's sampler."""
+    times = json.loads(timings.read_text())
+    return {"wall": wall, "peak": sampler.peak_total,
+            "steps": {k: step_record(v, sampler, k) for k, v in times.items()}}
+
+
 # ------------------------------------------------------------------------------------------------ staged
 
 
@@ -166,22 +222,16 @@ def staged(n: int, work: Path, args) -> dict:
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "workflow" / "Snakefile"),
            "--directory", str(work), "--cores", str(args.workers), "--workflow-profile",
            str(ROOT / "profiles" / "default"), "--configfile", str(work / "config.yaml")]
-    t0 = time.time()
-    with open(work / "snakemake.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT)
-        sampler = Sampler(proc.pid, pids_file=work / ".snakemake" / "atlasflow" / "scheduler.pids.json")
-        sampler.start()
-        rc = proc.wait()
-        sampler.stop()
+    rc, sampler, wall = run_sampled(cmd, work / "snakemake.log",
+                                    pids_file=work / ".snakemake" / "atlasflow" / "scheduler.pids.json")
     if rc != 0:
         raise RuntimeError(f"snakemake failed (exit {rc}); see {work / 'snakemake.log'}")
-    wall = time.time() - t0
     steps = {}
     for bench_file in sorted((work / "logs" / "bench").glob("*.benchmark.tsv")):
         rule = bench_file.name.split(".")[0]
         seconds = float(bench_file.read_text().splitlines()[1].split("\t")[0])
         name = {"rank_genes_groups": "markers_ttest"}.get(rule, rule)
-        steps[name] = {"seconds": seconds, "peak": sampler.peak.get(rule, 0), "io": sampler.io.get(rule, [0, 0])}
+        steps[name] = step_record(seconds, sampler, rule)
     # the second marker method, as a user would run it: the stage script on the workflow's stores
     res = work / "results" / "bench"
     argv = [sys.executable, str(ROOT / "scripts" / "rank_genes_groups.py"), "--input", str(res / "log1p.zarr"),
@@ -189,17 +239,10 @@ def staged(n: int, work: Path, args) -> dict:
             "--method", "wilcoxon", "--n-workers", str(args.workers), "--chunk-rows", str(args.chunk_rows)]
     if args.memory_limit:
         argv += ["--memory-limit", args.memory_limit]
-    t = time.time()
-    with open(work / "wilcoxon.log", "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        sampler = Sampler(proc.pid, step_of=lambda: "markers_wilcoxon")
-        sampler.start()
-        rc = proc.wait()
-        sampler.stop()
+    rc, sampler, seconds = run_sampled(argv, work / "wilcoxon.log", step_of=lambda: "markers_wilcoxon")
     if rc != 0:
         raise RuntimeError(f"rank_genes_groups --method wilcoxon failed (exit {rc}); see {work / 'wilcoxon.log'}")
-    steps["markers_wilcoxon"] = {"seconds": time.time() - t, "peak": sampler.peak.get("markers_wilcoxon", 0),
-                                 "io": sampler.io.get("markers_wilcoxon", [0, 0])}
+    steps["markers_wilcoxon"] = step_record(seconds, sampler, "markers_wilcoxon")
     return {"wall": wall + steps["markers_wilcoxon"]["seconds"], "steps": steps, "peak": max(
         sampler.peak_total, max((s["peak"] for s in steps.values()), default=0))}
 
@@ -218,15 +261,8 @@ def fused_child(raw: str, out: str, timings: str, workers: int, memory_limit: st
     from atlasflow.stages.subset import subset_var
     from atlasflow.store import open_store, write_store
 
-    times, now = {}, Path(timings + ".now")
-
-    def step(name, fn):
-        now.write_text(name)
-        t = time.time()
-        result = fn()
-        times[name] = time.time() - t
-        return result
-
+    clock = StepClock(timings)
+    step = clock.step
     cluster = LocalCluster(n_workers=workers, threads_per_worker=1, memory_limit=memory_limit or "auto",
                            dashboard_address=":0", env=dict(WORKER_ENV))
     with cluster, Client(cluster):
@@ -268,8 +304,7 @@ def fused_child(raw: str, out: str, timings: str, workers: int, memory_limit: st
         for key in ("X_pca", "X_umap"):
             a.obsm[key] = sub.obsm[key]
         step("write final", lambda: write_store(a, out, chunk_rows=chunk_rows))
-    now.unlink(missing_ok=True)
-    Path(timings).write_text(json.dumps(times))
+    clock.save()
 
 
 def fused(raw: Path, work: Path, args) -> dict:
@@ -277,27 +312,10 @@ def fused(raw: Path, work: Path, args) -> dict:
     timings = work / "fused_times.json"
     argv = [sys.executable, __file__, "--fused-child", str(raw), str(work / "final.zarr"), str(timings),
             str(args.workers), args.memory_limit or "", str(args.chunk_rows)]
-    now = Path(str(timings) + ".now")
-
-    def current():
-        try:
-            return now.read_text() or None
-        except OSError:
-            return None
-
-    t0 = time.time()
-    with open(work / "fused.log", "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        sampler = Sampler(proc.pid, step_of=current)
-        sampler.start()
-        rc = proc.wait()
-        sampler.stop()
+    rc, sampler, wall = run_sampled(argv, work / "fused.log", step_of=current_step(timings))
     if rc != 0:
         raise RuntimeError(f"the fused run failed (exit {rc}); see {work / 'fused.log'}")
-    times = json.loads(timings.read_text())
-    return {"wall": time.time() - t0, "peak": sampler.peak_total,
-            "steps": {k: {"seconds": v, "peak": sampler.peak.get(k, 0), "io": sampler.io.get(k, [0, 0])}
-                      for k, v in times.items()}}
+    return child_results(timings, sampler, wall)
 
 
 # ------------------------------------------------------------------------------------------------ scanpy
@@ -313,15 +331,8 @@ def scanpy_child(raw: str, timings: str) -> None:
     import scipy.sparse as sp
 
     warnings.filterwarnings("ignore")
-    times, now = {}, Path(timings + ".now")
-
-    def step(name, fn):
-        now.write_text(name)
-        t = time.time()
-        result = fn()
-        times[name] = time.time() - t
-        return result
-
+    clock = StepClock(timings)
+    step = clock.step
     a = step("read", lambda: ad.read_zarr(raw))
     x = a.X  # 64-bit indices: scipy's kernels refuse the store's mixed index dtypes
     a.X = sp.csr_matrix((x.data, x.indices.astype(np.int64), x.indptr.astype(np.int64)), shape=a.shape)
@@ -354,36 +365,17 @@ def scanpy_child(raw: str, timings: str) -> None:
     a.obs["leiden"] = a.obs["leiden"].astype("category")
     step("markers_ttest", lambda: sc.tl.rank_genes_groups(a, "leiden", method="t-test", pts=True))
     step("markers_wilcoxon", lambda: sc.tl.rank_genes_groups(a, "leiden", method="wilcoxon", pts=True))
-    now.unlink(missing_ok=True)
-    Path(timings).write_text(json.dumps({**times, "n_clusters": int(np.unique(sub.obs["leiden"]).size)}))
+    clock.save()
 
 
 def scanpy_run(raw: Path, work: Path, args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     timings = work / "scanpy_times.json"
-    now = Path(str(timings) + ".now")
-
-    def current():
-        try:
-            return now.read_text() or None
-        except OSError:
-            return None
-
-    t0 = time.time()
-    with open(work / "scanpy.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "--scanpy-child", str(raw), str(timings)],
-                                stdout=log, stderr=subprocess.STDOUT)
-        sampler = Sampler(proc.pid, step_of=current)
-        sampler.start()
-        rc = proc.wait()
-        sampler.stop()
+    rc, sampler, wall = run_sampled([sys.executable, __file__, "--scanpy-child", str(raw), str(timings)],
+                                    work / "scanpy.log", step_of=current_step(timings))
     if rc != 0:
-        return {"failed": f"exit {rc}", "peak": sampler.peak_total, "wall": time.time() - t0, "steps": {}}
-    times = json.loads(timings.read_text())
-    times.pop("n_clusters", None)
-    return {"wall": time.time() - t0, "peak": sampler.peak_total,
-            "steps": {k: {"seconds": v, "peak": sampler.peak.get(k, 0), "io": sampler.io.get(k, [0, 0])}
-                      for k, v in times.items()}}
+        return {"failed": f"exit {rc}", "peak": sampler.peak_total, "wall": wall, "steps": {}}
+    return child_results(timings, sampler, wall)
 
 
 # ------------------------------------------------------------------------------------------------ report
