@@ -205,7 +205,7 @@ def test_gpu_backend_without_cupy_says_how_to_install(no_cupy):
 
 
 def test_row_ids_without_array_repeats():
-    """The GPU branch of kernels._row_ids (searchsorted on indptr) equals NumPy's repeat, empty rows included."""
+    """The GPU branch of kernels.row_ids (searchsorted on indptr) equals NumPy's repeat, empty rows included."""
     keep = np.ones(50)
     keep[[0, 3, 17, 49]] = 0
     m = sp.csr_matrix(sp.diags(keep) @ sp.random(50, 30, density=0.1, format="csr", random_state=1))

@@ -35,7 +35,7 @@ import scipy.sparse as sp
 import zarr
 from dask.base import tokenize
 
-from atlasflow import progress
+from atlasflow import lazy, progress
 from atlasflow.errors import AtlasflowError, StoreError
 
 #: Elements of a 1-D CSR array per Zarr chunk (4 MiB of float32).
@@ -304,6 +304,12 @@ def write_matrix(root_path: Path, key: str, value, *, chunk_rows: int, row_nnz: 
     if src is not None and Path(src[0], src[1]).exists():
         link_tree(Path(src[0]) / src[1], root_path / key)
         return
+    chain = lazy.value_chain(value)
+    if chain is not None:
+        src = source_of(chain[0])
+        if src is not None and (Path(src[0]) / src[1] / "indices").exists():
+            write_mapped_values(root_path, key, Path(src[0]) / src[1], chain[1], np.dtype(value.dtype))
+            return
     if not isinstance(value, da.Array):
         if sp.issparse(value):
             value = sp.csr_matrix(value)
@@ -312,6 +318,51 @@ def write_matrix(root_path: Path, key: str, value, *, chunk_rows: int, row_nnz: 
         write_csr_dask(root_path, key, value, row_nnz=row_nnz)
     else:
         write_dense_dask(root_path, key, value, chunk_rows=chunk_rows)
+
+
+#: Zarr chunks of ``data`` rewritten per task by ``write_mapped_values`` (8 x 4 MiB of float32).
+MAPPED_CHUNKS_PER_TASK = 8
+
+
+def write_mapped_values(root_path: Path, key: str, src: Path, steps: list, dtype: np.dtype) -> None:
+    """Write a CSR element whose stored values are ``src``'s mapped by ``steps`` (``lazy.value_chain``).
+
+    The structure is the source's: ``indices`` and ``indptr`` are hard-linked, and ``data`` is rewritten
+    with the source's chunking, each task reading, mapping and writing whole chunks of its own.
+    """
+    dst = root_path / key
+    src_group = zarr.open_group(str(src), mode="r")
+    group = zarr.open_group(str(root_path), mode="a").require_group(key)
+    group.attrs.update(dict(src_group.attrs))
+    link_tree(src / "indices", dst / "indices")
+    link_tree(src / "indptr", dst / "indptr")
+    src_data = src_group["data"]
+    (nnz,), (chunk,) = src_data.shape, src_data.chunks
+    group.create_array("data", shape=(nnz,), chunks=(chunk,), dtype=dtype, fill_value=0, config=FULL_CHUNKS)
+    needs_rows = any(s.per_row is not None for s in steps)
+    indptr = np.asarray(src_group["indptr"][:], dtype=np.int64) if needs_rows else None
+    shared = dask.delayed((indptr, steps), pure=True)  # one key, sent once to each worker
+    step = chunk * MAPPED_CHUNKS_PER_TASK
+    tasks = [dask.delayed(_write_mapped_range, pure=False)(str(src / "data"), str(dst / "data"), lo,
+                                                           min(lo + step, nnz), shared, dtype)
+             for lo in range(0, nnz, step)]
+    if tasks:
+        written = sum(progress.compute(*tasks, label=f"writing {key} (values only)"))
+        if written != nnz:
+            raise AtlasflowError(f"wrote {written} of {nnz} values of {key}")
+
+
+def _write_mapped_range(src: str, dst: str, lo: int, hi: int, shared, dtype) -> int:
+    indptr, steps = shared
+    values = zarr.open_array(src, mode="r")[lo:hi]
+    rows = None
+    if indptr is not None:  # row of each value: rows r0..r1 overlap [lo, hi)
+        r0 = int(np.searchsorted(indptr, lo, side="right")) - 1
+        r1 = int(np.searchsorted(indptr, hi, side="left"))
+        counts = np.diff(np.clip(indptr[r0 : r1 + 1], lo, hi))
+        rows = np.repeat(np.arange(r0, r1), counts)
+    zarr.open_array(dst, mode="r+")[lo:hi] = lazy.apply_chain(values, rows, steps, dtype)
+    return hi - lo
 
 
 def _is_sparse_meta(x: da.Array) -> bool:

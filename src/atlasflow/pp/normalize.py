@@ -8,7 +8,7 @@ import anndata as ad
 import dask.array as da
 import numpy as np
 
-from atlasflow import kernels, progress
+from atlasflow import kernels, lazy, progress
 from atlasflow.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,8 @@ def normalize_total(
         target_sum = float(np.median(counts))
         log.info("normalize_total: target_sum = median of counts = %g", target_sum)
     factors = (counts / np.float32(target_sum)).astype(np.float32)
-    f = da.from_array(factors, chunks=(X.chunks[0],))
-    new_x = X.map_blocks(kernels.scale_rows, f[:, None], dtype=np.result_type(X.dtype, np.float32), meta=X._meta)
+    divisor = np.where(factors == 0, np.float32(1), factors)  # cells without counts stay as they are
+    new_x = lazy.map_values(X, kernels.divide_values, per_row=divisor, dtype=np.result_type(X.dtype, np.float32))
     if not inplace:
         return {"X": new_x, "norm_factor": factors, "target_sum": float(target_sum)}
     adata.X = new_x
@@ -70,5 +70,5 @@ def log1p(adata: ad.AnnData, *, base: float | None = None) -> None:
     if "log1p" in adata.uns:
         log.warning("adata.X seems to be already log-transformed.")
     X = adata.X
-    adata.X = X.map_blocks(kernels.log1p_block, base, dtype=np.result_type(X.dtype, np.float32), meta=X._meta)
+    adata.X = lazy.map_values(X, kernels.log1p_values, base, dtype=np.result_type(X.dtype, np.float32))
     adata.uns["log1p"] = {"base": base}
