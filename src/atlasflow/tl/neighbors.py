@@ -21,6 +21,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from atlasflow.errors import ConfigError, InputError
+from atlasflow.tl._jit_cache import import_with_cache
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ def knn(
         )
         dist, ind = nn.fit(x).kneighbors(x)
     else:
+        import_with_cache()
         from pynndescent import NNDescent
 
         index = NNDescent(
@@ -189,6 +191,7 @@ def fuzzy_simplicial_set(
     """
     import warnings
 
+    import_with_cache()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Tensorflow not installed")
         from umap.umap_ import fuzzy_simplicial_set as umap_fss

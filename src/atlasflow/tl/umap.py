@@ -15,6 +15,7 @@ import anndata as ad
 import numpy as np
 
 from atlasflow.errors import ConfigError, InputError
+from atlasflow.tl._jit_cache import import_with_cache
 from atlasflow.tl.neighbors import graph_of, representation
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def umap(
     if params.get("method") != "umap":
         log.warning("umap: obsp[%r] was not computed with method='umap'", conns_key)
 
+    import_with_cache()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Tensorflow not installed")
         from umap.umap_ import find_ab_params, simplicial_set_embedding
