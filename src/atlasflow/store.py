@@ -10,19 +10,22 @@ elements (``X`` and ``layers/*``) ourselves so that
   from the input store instead of being rewritten;
 * the output appears under its final name only once complete (write to a temporary sibling, rename).
 
-Small elements (obs, var, obsm, varm, obsp, uns) go through anndata's own reader and writer.
+Small elements (obs, var, obsm, varm, obsp, uns) go through anndata's own reader and writer; obs, var and the
+obsm/varm/obsp/varp entries a stage left unchanged are hard-linked like X.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import shutil
 import threading
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -112,9 +115,78 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backen
         varp=small("varp"),
         uns=small("uns"),
     )
+    remember_read(adata, path)
     from atlasflow.backend import to_backend
 
     return to_backend(adata, backend or DEFAULT_BACKEND)
+
+
+# id of an in-memory element ``open_store`` read -> (weak reference, store path, element key, fingerprint):
+# lets ``write_store`` link obs, var, obsm, varm, obsp and varp elements a stage left as they were.
+_READ: dict[int, tuple] = {}
+
+
+def remember_read(adata: ad.AnnData, path: Path) -> None:
+    """Record the in-memory elements just read from ``path``, so an unchanged one is linked when written.
+
+    obs and var are fingerprinted (a stage often adds columns in place); obsm/varm/obsp/varp arrays and
+    CSR/CSC matrices are made read-only instead (free; changing one in place raises), so the same object
+    means the same values.
+    """
+    entries = [("obs", adata.obs, _frame_fingerprint(adata.obs)), ("var", adata.var, _frame_fingerprint(adata.var))]
+    for axis in ("obsm", "varm", "obsp", "varp"):
+        entries += [(f"{axis}/{k}", v, None) for k, v in getattr(adata, axis).items() if _freeze(v)]
+    for key, obj, fingerprint in entries:
+        ref = weakref.ref(obj, functools.partial(_forget, id(obj)))
+        _READ[id(obj)] = (ref, str(path), key, fingerprint)
+
+
+def read_unchanged(obj) -> Path | None:
+    """Where ``obj`` was read from, if it is an element ``open_store`` read and it has not changed since."""
+    entry = _READ.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        return None
+    ref, path, key, fingerprint = entry
+    same = _frame_fingerprint(obj) == fingerprint if fingerprint is not None else _is_frozen(obj)
+    src = Path(path) / key
+    return src if same and src.exists() else None
+
+
+def _forget(obj_id: int, ref) -> None:
+    entry = _READ.get(obj_id)
+    if entry is not None and entry[0] is ref:
+        del _READ[obj_id]
+
+
+def _frame_fingerprint(df: pd.DataFrame) -> bytes:
+    """A digest of a DataFrame's values, index, column names and dtypes (categories included)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=20)
+    h.update(pd.util.hash_pandas_object(df, index=True).to_numpy().tobytes())
+    h.update(repr([(c, str(t), list(t.categories) if isinstance(t, pd.CategoricalDtype) else None)
+                   for c, t in df.dtypes.items()]).encode())
+    h.update(repr((df.index.name, str(df.index.dtype), df.shape)).encode())
+    return h.digest()
+
+
+def _sparse_parts(v) -> list[np.ndarray] | None:
+    return [v.data, v.indices, v.indptr] if sp.issparse(v) and v.format in ("csr", "csc") else None
+
+
+def _freeze(v) -> bool:
+    """Make an ndarray or a CSR/CSC matrix read-only; False for other kinds (they are not tracked)."""
+    parts = [v] if isinstance(v, np.ndarray) else _sparse_parts(v)
+    if parts is None:
+        return False
+    for a in parts:
+        a.flags.writeable = False
+    return True
+
+
+def _is_frozen(v) -> bool:
+    parts = [v] if isinstance(v, np.ndarray) else _sparse_parts(v)
+    return parts is not None and not any(a.flags.writeable for a in parts)
 
 
 def lazy_elem(path: Path, key: str, *, chunk_rows: int, store_id: str) -> da.Array:
@@ -270,8 +342,9 @@ def write_store(
 ) -> Path:
     """Write ``adata`` atomically as an AnnData Zarr store at ``path``.
 
-    Lazy elements read unchanged from another store are hard-linked; other Dask elements are written
-    block by block on the workers. ``row_nnz`` may give, per element key, the non-zeros of each row when
+    Lazy elements read unchanged from another store are hard-linked, and so are obs, var and the
+    obsm/varm/obsp/varp entries ``open_store`` read that are unchanged (``read_unchanged``); other Dask
+    elements are written block by block on the workers. ``row_nnz`` may give, per element key, the non-zeros of each row when
     the caller already knows them (saves one pass over a sparse element).
     """
     path = Path(path)
@@ -281,11 +354,24 @@ def write_store(
     if chunk_rows is None:
         chunk_rows = next((int(v.chunks[0][0]) for v in big.values() if isinstance(v, da.Array)), 10_000)
     with atomic_dir(path) as tmp:
+        linked = {}  # element key -> the store element it is linked to
+        small = {"obs": adata.obs, "var": adata.var}
+        for axis in ("obsm", "varm", "obsp", "varp"):
+            small.update((f"{axis}/{k}", v) for k, v in getattr(adata, axis).items())
+        for key, value in small.items():
+            if (src := read_unchanged(value)) is not None:
+                linked[key] = src
+        aligned = {axis: {k: v for k, v in getattr(adata, axis).items() if f"{axis}/{k}" not in linked}
+                   for axis in ("obsm", "varm", "obsp", "varp")}
         skeleton = ad.AnnData(
-            obs=adata.obs, var=adata.var, obsm=dict(adata.obsm), varm=dict(adata.varm),
-            obsp=dict(adata.obsp), varp=dict(adata.varp), uns=dict(adata.uns),
+            obs=pd.DataFrame(index=adata.obs_names) if "obs" in linked else adata.obs,
+            var=pd.DataFrame(index=adata.var_names) if "var" in linked else adata.var,
+            uns=dict(adata.uns), **aligned,
         )
         skeleton.write_zarr(tmp)
+        for key, src in linked.items():
+            shutil.rmtree(tmp / key, ignore_errors=True)
+            link_tree(src, tmp / key)
         for key, value in big.items():
             write_matrix(tmp, key, value, chunk_rows=chunk_rows, row_nnz=row_nnz.get(key))
         root = zarr.open_group(str(tmp), mode="r+")

@@ -88,7 +88,7 @@ def umap(
         adata.uns[key_uns]["params"]["random_state"] = random_state
     # the embedding enters only through the connected components of the spectral initialisation
     x = representation(adata, params.get("use_rep"), params.get("n_pcs"))
-    graph = adata.obsp[conns_key].tocoo()
+    graph = adata.obsp[conns_key].tocoo(copy=True)  # umap-learn zeroes weak edges in place: not in obsp
     n_epochs = (500 if graph.shape[0] <= 10000 else 200) if maxiter is None else int(maxiter)
     log.info("umap: %d cells, %d epochs, init %s", graph.shape[0], n_epochs,
              init if isinstance(init, str) else "array")

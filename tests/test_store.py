@@ -1,0 +1,68 @@
+"""store.write_store links what a stage left unchanged (obs, var, obsm/varm/obsp entries) and writes the rest."""
+
+from __future__ import annotations
+
+import os
+
+import anndata as ad
+import dask.array as da
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+
+from atlasflow.store import open_store, write_store
+
+
+def _inode(path):
+    return os.stat(next(p for p in sorted(path.rglob("*")) if p.is_file() and p.name != "zarr.json")).st_ino
+
+
+@pytest.fixture
+def source(tmp_path):
+    rng = np.random.default_rng(0)
+    n, m = 50, 8
+    x = sp.random(n, m, density=0.3, format="csr", random_state=rng, dtype=np.float32)
+    obs = pd.DataFrame({"total": rng.random(n), "group": pd.Categorical(rng.choice(["a", "b"], n))},
+                       index=[f"c{i}" for i in range(n)])
+    a = ad.AnnData(X=da.from_array(x, chunks=(20, m), asarray=False), obs=obs,
+                   var=pd.DataFrame({"mean": rng.random(m)}, index=[f"g{j}" for j in range(m)]),
+                   obsm={"X_pca": rng.random((n, 3)).astype(np.float32)},
+                   obsp={"connectivities": sp.random(n, n, density=0.1, format="csr", random_state=rng)})
+    write_store(a, tmp_path / "src.zarr")
+    return tmp_path / "src.zarr"
+
+
+def test_unchanged_small_elements_are_linked(source, tmp_path):
+    a = open_store(source)
+    a.obsm["X_umap"] = np.ones((a.n_obs, 2), np.float32)
+    write_store(a, tmp_path / "out.zarr")
+    for key in ("obs", "var", "obsm/X_pca", "obsp/connectivities"):
+        assert _inode(tmp_path / "out.zarr" / key) == _inode(source / key), key
+    out, ref = ad.read_zarr(tmp_path / "out.zarr"), ad.read_zarr(source)
+    pd.testing.assert_frame_equal(out.obs, ref.obs)
+    np.testing.assert_array_equal(out.obsm["X_pca"], ref.obsm["X_pca"])
+    np.testing.assert_array_equal(out.obsm["X_umap"], 1)
+    assert (out.obsp["connectivities"] != ref.obsp["connectivities"]).nnz == 0
+
+
+def test_changed_elements_are_written(source, tmp_path):
+    a = open_store(source)
+    a.obs["new"] = 1.0  # in place: the fingerprint differs
+    with pytest.raises(ValueError, match="read-only"):
+        a.obsm["X_pca"][0, 0] = 5  # arrays read from a store are read-only
+    a.obsm["X_pca"] = a.obsm["X_pca"] * 2  # a new array
+    write_store(a, tmp_path / "out.zarr")
+    assert _inode(tmp_path / "out.zarr" / "obs") != _inode(source / "obs")
+    assert _inode(tmp_path / "out.zarr" / "obsm" / "X_pca") != _inode(source / "obsm" / "X_pca")
+    assert _inode(tmp_path / "out.zarr" / "var") == _inode(source / "var")
+    out, ref = ad.read_zarr(tmp_path / "out.zarr"), ad.read_zarr(source)
+    assert (out.obs["new"] == 1).all()
+    np.testing.assert_array_equal(out.obsm["X_pca"], ref.obsm["X_pca"] * 2)
+
+
+def test_reordered_categories_are_a_change(source, tmp_path):
+    a = open_store(source)
+    a.obs["group"] = a.obs["group"].cat.reorder_categories(["b", "a"])
+    write_store(a, tmp_path / "out.zarr")
+    assert list(ad.read_zarr(tmp_path / "out.zarr").obs["group"].cat.categories) == ["b", "a"]
