@@ -428,7 +428,9 @@ def write_mapped_values(root_path: Path, key: str, src: Path, steps: list, dtype
     needs_rows = any(s.per_row is not None for s in steps)
     indptr = np.asarray(src_group["indptr"][:], dtype=np.int64) if needs_rows else None
     shared = dask.delayed((indptr, steps), pure=True)  # one key, sent once to each worker
-    step = chunk * MAPPED_CHUNKS_PER_TASK
+    n_chunks = -(-nnz // chunk) if nnz else 0
+    # up to MAPPED_CHUNKS_PER_TASK chunks per task, but at least ~16 tasks so every worker gets some
+    step = chunk * max(1, min(MAPPED_CHUNKS_PER_TASK, n_chunks // 16))
     tasks = [dask.delayed(_write_mapped_range, pure=False)(str(src / "data"), str(dst / "data"), lo,
                                                            min(lo + step, nnz), shared, dtype)
              for lo in range(0, nnz, step)]
