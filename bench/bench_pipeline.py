@@ -345,6 +345,22 @@ def scanpy_child(raw: str, timings: str) -> None:
     a = step("read", lambda: ad.read_zarr(raw))
     x = a.X  # 64-bit indices: scipy's kernels refuse the store's mixed index dtypes
     a.X = sp.csr_matrix((x.data, x.indices.astype(np.int64), x.indptr.astype(np.int64)), shape=a.shape)
+
+    def pca(sub):
+        sc.pp.pca(sub, n_comps=PARAMS["pca"]["n_comps"])
+
+    def rank(a, name, method):
+        step(name, lambda: sc.tl.rank_genes_groups(a, "leiden", method=method, pts=True))
+
+    scanpy_steps(a, step, pca, rank)
+    clock.save()
+
+
+def scanpy_steps(a, step, pca, rank) -> None:
+    """scanpy's steps with ``PARAMS``, in memory or on a Dask X: ``pca(sub)`` and ``rank(a, step, method)``
+    are the parts that differ between the two."""
+    import scanpy as sc
+
     p = PARAMS
 
     def qc():
@@ -355,9 +371,9 @@ def scanpy_child(raw: str, timings: str) -> None:
 
     def filt():
         f = p["filter"]
-        keep = (a.obs["n_genes_by_counts"] >= f["min_genes"]).to_numpy() & (a.obs["pct_counts_mt"] < f["max_pct_mt"]).to_numpy()
-        genes = (a.var["n_cells_by_counts"] >= f["min_cells"]).to_numpy()
-        return a[keep][:, genes].copy()
+        keep = ((a.obs["n_genes_by_counts"] >= f["min_genes"]).to_numpy()
+                & (a.obs["pct_counts_mt"] < f["max_pct_mt"]).to_numpy())
+        return a[keep][:, (a.var["n_cells_by_counts"] >= f["min_cells"]).to_numpy()].copy()
 
     a = step("filter", filt)
     step("normalize", lambda: sc.pp.normalize_total(a, target_sum=p["normalize"]["target_sum"]))
@@ -365,16 +381,15 @@ def scanpy_child(raw: str, timings: str) -> None:
     step("hvg", lambda: sc.pp.highly_variable_genes(a, **p["hvg"]))
     sub = step("subset", lambda: a[:, a.var["highly_variable"].to_numpy()].copy())
     step("scale", lambda: sc.pp.scale(sub, max_value=p["scale"]["max_value"]))
-    step("pca", lambda: sc.pp.pca(sub, n_comps=p["pca"]["n_comps"]))
+    step("pca", lambda: pca(sub))
     step("neighbors", lambda: sc.pp.neighbors(sub, n_neighbors=p["neighbors"]["n_neighbors"]))
     step("leiden", lambda: sc.tl.leiden(sub, resolution=p["leiden"]["resolution"], flavor="igraph",
                                         n_iterations=p["leiden"]["n_iterations"], directed=False))
     step("umap", lambda: sc.tl.umap(sub))
     a.obs["leiden"] = sub.obs["leiden"].to_numpy()
     a.obs["leiden"] = a.obs["leiden"].astype("category")
-    step("markers_ttest", lambda: sc.tl.rank_genes_groups(a, "leiden", method="t-test", pts=True))
-    step("markers_wilcoxon", lambda: sc.tl.rank_genes_groups(a, "leiden", method="wilcoxon", pts=True))
-    clock.save()
+    rank(a, "markers_ttest", "t-test")
+    rank(a, "markers_wilcoxon", "wilcoxon")
 
 
 def scanpy_run(raw: Path, work: Path, args) -> dict:
@@ -401,7 +416,6 @@ def scanpy_dask_child(raw: str, timings: str, workers: int, memory_limit: str | 
     clock = StepClock(timings)
     step = clock.step
     skipped = {}
-    p = PARAMS
     cluster = LocalCluster(n_workers=workers, threads_per_worker=1, memory_limit=memory_limit or "auto",
                            dashboard_address=":0")
     with cluster, Client(cluster):
@@ -409,43 +423,19 @@ def scanpy_dask_child(raw: str, timings: str, workers: int, memory_limit: str | 
         a = ad.AnnData(X=ad.experimental.read_elem_lazy(g["X"], chunks=(chunk_rows, -1)),
                        obs=ad.io.read_elem(g["obs"]), var=ad.io.read_elem(g["var"]))
 
-        def qc():
-            a.var["mt"] = a.var_names.str.startswith("MT-")
-            sc.pp.calculate_qc_metrics(a, qc_vars=["mt"], percent_top=p["qc"]["percent_top"], inplace=True)
-
-        step("qc", qc)
-
-        def filt():
-            f = p["filter"]
-            keep = ((a.obs["n_genes_by_counts"] >= f["min_genes"]).to_numpy()
-                    & (a.obs["pct_counts_mt"] < f["max_pct_mt"]).to_numpy())
-            return a[keep][:, (a.var["n_cells_by_counts"] >= f["min_cells"]).to_numpy()].copy()
-
-        a = step("filter", filt)
-        step("normalize", lambda: sc.pp.normalize_total(a, target_sum=p["normalize"]["target_sum"]))
-        step("log1p", lambda: sc.pp.log1p(a))
-        step("hvg", lambda: sc.pp.highly_variable_genes(a, **p["hvg"]))
-        sub = step("subset", lambda: a[:, a.var["highly_variable"].to_numpy()].copy())
-        step("scale", lambda: sc.pp.scale(sub, max_value=p["scale"]["max_value"]))
-
-        def pca():
-            sc.pp.pca(sub, n_comps=p["pca"]["n_comps"], svd_solver="covariance_eigh")
+        def pca(sub):
+            sc.pp.pca(sub, n_comps=PARAMS["pca"]["n_comps"], svd_solver="covariance_eigh")
             emb = sub.obsm["X_pca"]
             sub.obsm["X_pca"] = np.asarray(emb.compute() if hasattr(emb, "compute") else emb)
 
-        step("pca", pca)
-        step("neighbors", lambda: sc.pp.neighbors(sub, n_neighbors=p["neighbors"]["n_neighbors"]))
-        step("leiden", lambda: sc.tl.leiden(sub, resolution=p["leiden"]["resolution"], flavor="igraph",
-                                            n_iterations=p["leiden"]["n_iterations"], directed=False))
-        step("umap", lambda: sc.tl.umap(sub))
-        a.obs["leiden"] = sub.obs["leiden"].to_numpy()
-        a.obs["leiden"] = a.obs["leiden"].astype("category")
-        for name, method in (("markers_ttest", "t-test"), ("markers_wilcoxon", "wilcoxon")):
+        def rank(a, name, method):
             try:
-                step(name, lambda m=method: sc.tl.rank_genes_groups(a, "leiden", method=m, pts=True))
+                step(name, lambda: sc.tl.rank_genes_groups(a, "leiden", method=method, pts=True))
             except Exception as exc:  # noqa: BLE001 - recorded: scanpy does not support this step on Dask
                 clock.times.pop(name, None)
                 skipped[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+
+        scanpy_steps(a, step, pca, rank)
     Path(timings + ".skipped").write_text(json.dumps(skipped))
     clock.save()
 
