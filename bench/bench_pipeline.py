@@ -571,6 +571,17 @@ def smoke_params() -> None:
     PARAMS["pca"]["n_comps"] = 20
 
 
+def mode_caps(items: list[str]) -> dict[str, int]:
+    """``["fused=200000", ...]`` -> ``{"fused": 200000}``; only the optional modes other than scanpy."""
+    caps = {}
+    for item in items:
+        mode, _, cells = item.partition("=")
+        if mode not in ("fused", "scanpy_dask") or not cells.isdigit():
+            raise SystemExit(f"--max-cells: {item!r} is not fused=N or scanpy_dask=N")
+        caps[mode] = int(cells)
+    return caps
+
+
 def main(argv=None) -> int:
     if os.environ.get("ATLASFLOW_BENCH_SMOKE"):
         smoke_params()
@@ -595,7 +606,10 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-rows", dest="chunk_rows", type=int, default=10000)
     p.add_argument("--memory-limit", dest="memory_limit", default=None,
                    help="per worker, staged and fused (e.g. 1.5GB); default: the workflow's auto")
-    p.add_argument("--scanpy-max-cells", dest="scanpy_max_cells", type=int, default=200_000)
+    p.add_argument("--scanpy-max-cells", dest="scanpy_max_cells", type=int, default=200_000,
+                   help="run scanpy (in memory) only up to this many cells")
+    p.add_argument("--max-cells", dest="max_cells", nargs="+", default=[], metavar="MODE=N",
+                   help="run fused or scanpy_dask only up to N cells (e.g. fused=200000), to keep a 1M run short")
     p.add_argument("--workdir", default="/tmp/atlasflow-bench-pipeline")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"))
     p.add_argument("--keep", action="store_true", help="keep the stores (default: delete each size's)")
@@ -604,6 +618,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.sizes, args.n_genes, args.chunk_rows = [2000], 1000, 500
         smoke_params()
+    caps = mode_caps(args.max_cells)
     results = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "sizes": {},
                "args": {k: v for k, v in vars(args).items()}}
     out = Path(args.results)
@@ -623,7 +638,10 @@ def main(argv=None) -> int:
             limit = parse_bytes(args.memory_limit) * args.workers
             r["info"]["X / workers' memory limit"] = f"{xb / limit:.1f}x"
         print(f"  staged: {_total(r['staged']):.0f} s, peak {r['staged']['peak'] / MiB:.0f} MiB", flush=True)
-        if "fused" in args.modes:
+        for mode, cap in caps.items():
+            if mode in args.modes and n > cap:
+                r["info"][mode] = f"not run above {cap:,} cells (--max-cells)"
+        if "fused" in args.modes and n <= caps.get("fused", n):
             r["fused"] = fused(raw, work / "fused", args)
             print(f"  fused: {_total(r['fused']):.0f} s, peak {r['fused']['peak'] / MiB:.0f} MiB", flush=True)
         if "scanpy" in args.modes and n <= args.scanpy_max_cells:
@@ -631,7 +649,7 @@ def main(argv=None) -> int:
             print(f"  scanpy: {_total(r['scanpy']):.0f} s, peak {r['scanpy']['peak'] / MiB:.0f} MiB", flush=True)
         elif "scanpy" in args.modes:
             r["info"]["scanpy"] = f"not run above {args.scanpy_max_cells:,} cells (--scanpy-max-cells)"
-        if "scanpy_dask" in args.modes:
+        if "scanpy_dask" in args.modes and n <= caps.get("scanpy_dask", n):
             r["scanpy_dask"] = scanpy_dask_run(raw, work / "scanpy_dask", args)
             print(f"  scanpy_dask: {_total(r['scanpy_dask']):.0f} s, peak {r['scanpy_dask']['peak'] / MiB:.0f} MiB",
                   flush=True)
