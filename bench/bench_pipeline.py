@@ -657,13 +657,19 @@ def main(argv=None) -> int:
             r.pop("staged")
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+        text = write_results(results, args, out)  # after every size: a failure at 1M keeps the 100k results
+    print(text)
+    return 0
+
+
+def write_results(results: dict, args, out: Path) -> str:
+    """The JSON, the markdown table and the plot of the sizes done so far; returns the table."""
     name = "pipeline_smoke" if args.smoke else "pipeline"
     (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     text = report(results, args)
     (out / f"{name}.md").write_text(text)
     plot(results, out / f"{name}.png")
-    print(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":
