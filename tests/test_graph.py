@@ -169,6 +169,26 @@ def test_pynndescent_recall_and_determinism(pbmc_pca):
     np.testing.assert_array_equal(dist2, dist)
 
 
+@pytest.mark.slow  # pynndescent and umap-learn compile (or load) their kernels
+def test_stages_take_the_read_only_embedding_of_a_store(tmp_path):
+    """Arrays read from a store are read-only; pynndescent's kernels (explicit writable signatures) and UMAP's
+    multi-component spectral layout must still take them. Stores above 8192 cells always hit this path."""
+    rng = np.random.default_rng(0)
+    centres = np.repeat(np.arange(3)[:, None] * 50.0, 10, axis=1)  # three blobs: a graph of 3 components
+    emb = (centres[np.arange(1500) % 3] + rng.normal(size=(1500, 10))).astype(np.float32)
+    obs = pd.DataFrame(index=[f"c{i}" for i in range(1500)])
+    var = pd.DataFrame(index=[f"g{i}" for i in range(4)])
+    src = _store(tmp_path / "pca.zarr", np.ones((1500, 4)), obs, var, obsm={"X_pca": emb})
+    assert not open_store(src).obsm["X_pca"].flags.writeable
+    assert _run(neighbors_stage, "--input", src, "--output", tmp_path / "nb.zarr", "--knn-method", "pynndescent",
+                "--n-neighbors", 10) == 0
+    graph = open_store(tmp_path / "nb.zarr").obsp["connectivities"]
+    assert sp.csgraph.connected_components(graph, directed=False)[0] == 3
+    assert _run(umap_stage, "--input", tmp_path / "nb.zarr", "--output", tmp_path / "umap.zarr",
+                "--maxiter", 20) == 0
+    assert np.isfinite(open_store(tmp_path / "umap.zarr").obsm["X_umap"]).all()
+
+
 KNN_IN_A_NEW_PROCESS = """
 import hashlib, sys
 import numpy as np

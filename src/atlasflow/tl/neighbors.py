@@ -130,8 +130,10 @@ def knn(
         import_with_cache()
         from pynndescent import NNDescent
 
+        # a writable copy of a read-only embedding (arrays read from a store are): pynndescent's kernels are
+        # compiled for writable arrays only and fail to type a read-only one
         index = NNDescent(
-            np.ascontiguousarray(x), n_neighbors=k_search, metric=metric, metric_kwds=dict(metric_kwds),
+            np.require(x, requirements=["C", "W"]), n_neighbors=k_search, metric=metric, metric_kwds=dict(metric_kwds),
             n_trees=min(64, 5 + round(n**0.5 / 20.0)), n_iters=max(5, round(np.log2(n))),
             random_state=random_state, n_jobs=n_jobs, low_memory=True, compressed=False,
         )
