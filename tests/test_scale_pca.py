@@ -247,22 +247,22 @@ def _run_stage(stage, argv):
 
 
 def test_stage_passes_over_x(tutorial, tmp_path):
-    """Each stage reads X twice: subset (row sizes, then write), regress_out and scale (fit, then write),
-    pca (Gram, then projection)."""
+    """Passes over X: subset once (each block computed once, stashed, then copied into place), regress_out and
+    scale twice (fit, then write), pca twice (Gram, then projection)."""
     from atlasflow.stages import pca, regress_out, scale, subset
     from atlasflow.store import open_store
 
     log1p = tutorial["log1p"].copy()
     path = store_of(log1p, tmp_path / "hvg.zarr", 700)
-    chain = [(subset, path, tmp_path / "subset.zarr", []),
-             (regress_out, tmp_path / "subset.zarr", tmp_path / "regress.zarr", ["--keys", *KEYS]),
-             (scale, tmp_path / "regress.zarr", tmp_path / "scale.zarr", ["--max-value", "10"]),
-             (pca, tmp_path / "scale.zarr", tmp_path / "pca.zarr", [])]
-    for stage, src, dst, extra in chain:
+    chain = [(subset, path, tmp_path / "subset.zarr", [], 1),
+             (regress_out, tmp_path / "subset.zarr", tmp_path / "regress.zarr", ["--keys", *KEYS], 2),
+             (scale, tmp_path / "regress.zarr", tmp_path / "scale.zarr", ["--max-value", "10"], 2),
+             (pca, tmp_path / "scale.zarr", tmp_path / "pca.zarr", [], 2)]
+    for stage, src, dst, extra, passes in chain:
         n_blocks = open_store(src).X.numblocks[0]
         with dask.config.set(scheduler="sync"), count_x_reads(src) as reads:
             _run_stage(stage, ["--input", str(src), "--output", str(dst), *extra])
-        assert reads["X"] == 2 * n_blocks, stage.__name__
+        assert reads["X"] == passes * n_blocks, stage.__name__
     out = ad.read_zarr(tmp_path / "pca.zarr")
     _assert_pca_matches(out, tutorial["pca"])
     np.testing.assert_allclose(ad.read_zarr(tmp_path / "scale.zarr").X, tutorial["scaled"].X, rtol=1e-6, atol=1e-6)

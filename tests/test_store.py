@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import anndata as ad
+import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
@@ -66,3 +67,25 @@ def test_reordered_categories_are_a_change(source, tmp_path):
     a.obs["group"] = a.obs["group"].cat.reorder_categories(["b", "a"])
     write_store(a, tmp_path / "out.zarr")
     assert list(ad.read_zarr(tmp_path / "out.zarr").obs["group"].cat.categories) == ["b", "a"]
+
+
+def test_computed_sparse_matrix_is_computed_once_and_written_whole(source, tmp_path):
+    """A CSR matrix of unknown structure (columns dropped, values changed) is computed block by block once,
+    stashed, and copied into place: equal to the in-memory result, no scratch left in the store."""
+    from atlasflow.pp._utils import take_columns
+
+    calls = []
+
+    def double(block):
+        calls.append(block.shape[0])
+        return block * 2
+
+    a = open_store(source, chunk_rows=15)
+    expected = ad.read_zarr(source).X[:, [0, 3, 5, 6]].toarray() * 2
+    x = take_columns(a.X, np.array([0, 3, 5, 6])).map_blocks(double, dtype=a.X.dtype, meta=a.X._meta)
+    a = ad.AnnData(X=x, obs=a.obs, var=a.var.iloc[[0, 3, 5, 6]])
+    with dask.config.set(scheduler="synchronous"):  # in this process, whatever client another test started
+        write_store(a, tmp_path / "out.zarr")
+    assert sorted(calls) == sorted(a.X.chunks[0])  # every block once: no counting pass before the writes
+    np.testing.assert_array_equal(ad.read_zarr(tmp_path / "out.zarr").X.toarray(), expected)
+    assert not [p for p in (tmp_path / "out.zarr").rglob("*") if ".pieces" in p.name]

@@ -782,9 +782,17 @@ def gene_block_ranks(block, codes, n_codes: int, group_sizes, tested, reference:
     (N^3 - N)`` (``len(tested)``), and the count of negative or non-integer values (1).
     """
     xp = xp_of(block)
-    g_rows = block.shape[0]
     codes = xp.asarray(codes).ravel()
     sizes = xp.asarray(group_sizes, dtype=xp.float64)
+    if xp is np and reference is None:  # CPU, one group against the rest: a sort per gene, numba loops (~4x faster)
+        return _gene_block_ranks_rest(block, codes, n_codes, sizes, tested)
+    return _gene_block_ranks_sorted(block, codes, n_codes, sizes, tested, reference)
+
+
+def _gene_block_ranks_sorted(block, codes, n_codes: int, sizes, tested, reference: int | None):
+    """``gene_block_ranks`` vectorised for any array module: one sort of the whole block by (gene, value)."""
+    xp = xp_of(block)
+    g_rows = block.shape[0]
     data = block.data
     # row of each stored value (searchsorted rather than repeat: CuPy's repeat takes no array of counts)
     rows = (xp.searchsorted(block.indptr, xp.arange(block.data.shape[0]), side="right") - 1).astype(xp.int32)
@@ -809,26 +817,119 @@ def gene_block_ranks(block, codes, n_codes: int, group_sizes, tested, reference:
     sv, sr, sc = data[order], rows[order], c[order]
     del data, rows, c, order
     tested = [int(t) for t in tested]
-    rank_sums = xp.zeros((g_rows, len(tested)))
-    tie = xp.ones((g_rows, len(tested)))
     if reference is None:
         n_all = float(sizes.sum())
         ranks, zero_rank, tsum = _ranks_sorted(sv, sr, g_rows, n_all)
         per_code = xp.bincount(sr.astype(xp.int64) * n_codes + sc, weights=ranks,
                                minlength=g_rows * n_codes).reshape(g_rows, n_codes)
-        for j, t in enumerate(tested):
-            rank_sums[:, j] = per_code[:, t] + (sizes[t] - nnz[:, t]) * zero_rank
-            tie[:, j] = _tie_factor(tsum, n_all)
-    else:
-        for j, t in enumerate(tested):
-            sel = (sc == t) | (sc == reference)
-            n_pair = float(sizes[t] + sizes[reference])
-            ranks, zero_rank, tsum = _ranks_sorted(sv[sel], sr[sel], g_rows, n_pair)
-            mine = sc[sel] == t
-            rank_sums[:, j] = xp.bincount(sr[sel][mine], weights=ranks[mine], minlength=g_rows) \
-                + (sizes[t] - nnz[:, t]) * zero_rank
-            tie[:, j] = _tie_factor(tsum, n_pair)
+        return _against_rest(sums, nnz, per_code, zero_rank, tsum, not_counts, sizes, tested, n_all)
+    rank_sums = xp.zeros((g_rows, len(tested)))
+    tie = xp.ones((g_rows, len(tested)))
+    for j, t in enumerate(tested):
+        sel = (sc == t) | (sc == reference)
+        n_pair = float(sizes[t] + sizes[reference])
+        ranks, zero_rank, tsum = _ranks_sorted(sv[sel], sr[sel], g_rows, n_pair)
+        mine = sc[sel] == t
+        rank_sums[:, j] = xp.bincount(sr[sel][mine], weights=ranks[mine], minlength=g_rows) \
+            + (sizes[t] - nnz[:, t]) * zero_rank
+        tie[:, j] = _tie_factor(tsum, n_pair)
     return xp.concatenate([sums, nnz, rank_sums, tie, not_counts[:, None]], axis=1)
+
+
+def _gene_block_ranks_rest(block, codes, n_codes: int, sizes, tested):
+    """``gene_block_ranks`` with ``reference=None`` on a NumPy block, each gene's non-zeros ranked on their own.
+
+    Two numba loops around NumPy's argsort of each gene's values (SIMD, ~2x numba's sort): the same numbers
+    as the vectorised path (rank sums are sums of half-integers, exact in any order; group sums and tie
+    terms are added in the same order).
+    """
+    g_rows = block.shape[0]
+    n_all = float(sizes.sum())
+    compact, ranks = _rest_ranks_kernels()
+    sums, nnz, per_code = (np.zeros((g_rows, n_codes)) for _ in range(3))
+    n_neg, tsum, not_counts = (np.zeros(g_rows) for _ in range(3))
+    vals = np.empty(block.data.shape[0], dtype=block.data.dtype)
+    cods = np.empty(block.data.shape[0], dtype=np.int64)
+    ptr = np.zeros(g_rows + 1, dtype=np.int64)
+    compact(np.asarray(block.indptr, dtype=np.int64), block.indices, block.data, np.asarray(codes, dtype=np.int64),
+            block.data.dtype.kind == "f", vals, cods, ptr, sums, nnz, n_neg, not_counts)
+    order = np.empty(int(ptr[-1]), dtype=np.int64)
+    for r in range(g_rows):
+        lo, hi = ptr[r], ptr[r + 1]
+        order[lo:hi] = np.argsort(vals[lo:hi])
+    ranks(vals, cods, ptr, order, n_all, per_code, tsum)
+    zero_rank = n_neg + (n_all - np.diff(ptr) + 1.0) / 2.0
+    return _against_rest(sums, nnz, per_code, zero_rank, tsum, not_counts, sizes, tested, n_all)
+
+
+def _against_rest(sums, nnz, per_code, zero_rank, tsum, not_counts, sizes, tested, n_all: float):
+    """The columns of ``gene_block_ranks`` from per-code rank sums of the non-zeros and each gene's zero rank."""
+    xp = xp_of(sums)
+    rank_sums = xp.zeros((sums.shape[0], len(tested)))
+    tie = xp.ones((sums.shape[0], len(tested)))
+    for j, t in enumerate(int(t) for t in tested):
+        rank_sums[:, j] = per_code[:, t] + (sizes[t] - nnz[:, t]) * zero_rank
+        tie[:, j] = _tie_factor(tsum, n_all)
+    return xp.concatenate([sums, nnz, rank_sums, tie, not_counts[:, None]], axis=1)
+
+
+_REST_RANKS_KERNELS = None
+
+
+def _rest_ranks_kernels():
+    """The numba loops of ``_gene_block_ranks_rest``.
+
+    ``compact``: per gene (row), its stored non-zeros in stored order into ``vals``/``cods`` (segments
+    ``ptr``), with per-code sums and counts, negatives and the non-count tally. ``ranks``: given each
+    segment's sort order, average ranks among ``n_all`` cells (the zeros tied in one block between the
+    negative and the positive values) summed per code, and ``sum(t^3 - t)`` over the tie groups plus the
+    zeros' (``** 3.0`` calls libm's pow, as NumPy's power does).
+    """
+    global _REST_RANKS_KERNELS
+    if _REST_RANKS_KERNELS is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def compact(indptr, indices, data, codes, is_float, vals, cods, ptr, sums, nnz, n_neg, not_counts):
+            k = 0
+            for r in range(indptr.shape[0] - 1):
+                for a in range(indptr[r], indptr[r + 1]):
+                    v = data[a]
+                    if v != 0:
+                        c = codes[indices[a]]
+                        vals[k] = v
+                        cods[k] = c
+                        k += 1
+                        sums[r, c] += np.float64(v)
+                        nnz[r, c] += 1.0
+                        if v < 0:
+                            n_neg[r] += 1.0
+                        if is_float and (v < 0 or v % 1 != 0):
+                            not_counts[r] += 1.0
+                ptr[r + 1] = k
+
+        @numba.njit(cache=True, nogil=True)
+        def ranks(vals, cods, ptr, order, n_all, per_code, tsum):
+            for r in range(ptr.shape[0] - 1):
+                lo, hi = ptr[r], ptr[r + 1]
+                z = n_all - (hi - lo)
+                acc = 0.0
+                g0 = 0
+                while g0 < hi - lo:
+                    v0 = vals[lo + order[lo + g0]]
+                    g1 = g0 + 1
+                    while g1 < hi - lo and vals[lo + order[lo + g1]] == v0:
+                        g1 += 1
+                    cnt = float(g1 - g0)
+                    rank = float(g0) + (cnt + 1.0) / 2.0 + (z if v0 > 0 else 0.0)
+                    for q in range(g0, g1):
+                        per_code[r, cods[lo + order[lo + q]]] += rank
+                    acc += cnt**3.0 - cnt
+                    g0 = g1
+                tsum[r] = acc + (z**3.0 - z)
+
+        _REST_RANKS_KERNELS = compact, ranks
+    return _REST_RANKS_KERNELS
 
 
 def _ranks_sorted(values, rows, n_rows: int, n_cells: float):

@@ -458,22 +458,20 @@ def _is_sparse_meta(x: da.Array) -> bool:
     return sp.issparse(meta) or type(meta).__module__.startswith("cupyx.scipy.sparse")
 
 
-def _row_nnz_block(block) -> np.ndarray:
-    return np.asarray(np.diff(_to_host(block).indptr), dtype=np.int64)
-
-
 def write_csr_dask(root_path: Path, key: str, x: da.Array, *, row_nnz: np.ndarray | None = None) -> None:
     """Write a Dask array of CSR row blocks as an anndata ``csr_matrix`` element, one task per block.
 
-    Blocks land at offsets known beforehand (from ``row_nnz``, computed with one extra pass when not
-    given), so every worker writes its own slice of ``data``/``indices``. Zarr chunks straddling two
-    blocks are written under a per-chunk lock: two workers never write one chunk unguarded.
+    Blocks land at offsets known beforehand, so every worker writes its own slice of ``data``/``indices``.
+    Zarr chunks straddling two blocks are written under a per-chunk lock: two workers never write one chunk
+    unguarded. Without ``row_nnz`` the offsets come from the blocks themselves: each is computed once and
+    stashed uncompressed in a scratch folder beside the element (``_stash_blocks``), then copied into place
+    (computing every block twice, once to count, read the input twice).
     """
     n, m = x.shape
+    stash = None
     if row_nnz is None:
-        (row_nnz,) = progress.compute(x.map_blocks(
-            _row_nnz_block, drop_axis=1, chunks=(x.chunks[0],), dtype=np.int64, meta=np.array([], np.int64)
-        ), label=f"{key}: counting non-zeros")
+        stash = root_path / f".{key.replace('/', '-')}.pieces-{uuid.uuid4().hex[:8]}"
+        x, row_nnz = _stash_blocks(x, stash, key)
     row_nnz = np.asarray(row_nnz, dtype=np.int64)
     if row_nnz.shape[0] != n:
         raise AtlasflowError(f"row_nnz has {row_nnz.shape[0]} rows, matrix has {n}")
@@ -496,8 +494,39 @@ def write_csr_dask(root_path: Path, key: str, x: da.Array, *, row_nnz: np.ndarra
         drop_axis=1, chunks=((1,) * x.numblocks[0],), dtype=np.int64, meta=np.array([], np.int64),
     )
     written = int(progress.compute(done.sum(), label=f"writing {key}")[0])
+    if stash is not None:
+        shutil.rmtree(stash)
     if written != nnz:
         raise AtlasflowError(f"wrote {written} of {nnz} non-zeros of {key}: the matrix changed between passes")
+
+
+def _stash_blocks(x: da.Array, stash: Path, key: str) -> tuple[da.Array, np.ndarray]:
+    """Compute every CSR block of ``x`` once into ``.npy`` files under ``stash``; returns the stashed blocks
+    (as a Dask array reading them back) and the non-zeros of each row."""
+    stash.mkdir()
+    (row_nnz,) = progress.compute(x.map_blocks(
+        _stash_block, str(stash), drop_axis=1, chunks=(x.chunks[0],), dtype=np.int64, meta=np.array([], np.int64)
+    ), label=f"{key}: computing blocks")
+    name = f"stashed-{uuid.uuid4().hex}"
+    dsk = {(name, i, 0): (_load_stashed, str(stash), i, rows, x.shape[1]) for i, rows in enumerate(x.chunks[0])}
+    return da.Array(dsk, name, chunks=(x.chunks[0], (x.shape[1],)), meta=x._meta), row_nnz
+
+
+def _stash_block(block, stash: str, block_info=None) -> np.ndarray:
+    block = sp.csr_matrix(_to_host(block))
+    i = block_info[0]["chunk-location"][0]
+    for part in ("data", "indices", "indptr"):
+        final = Path(stash, f"{i}.{part}.npy")
+        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}.npy")  # a retried task replaces it whole
+        np.save(tmp, getattr(block, part))
+        os.replace(tmp, final)
+    return np.diff(block.indptr).astype(np.int64)
+
+
+def _load_stashed(stash: str, i: int, n_rows: int, n_cols: int) -> sp.csr_matrix:
+    data, indices, indptr = (np.load(Path(stash, f"{i}.{part}.npy"), mmap_mode="r")
+                             for part in ("data", "indices", "indptr"))
+    return sp.csr_matrix((data, indices, indptr), shape=(n_rows, n_cols))
 
 
 def _write_csr_block(block, path: str, offsets, nnz: int, chunk: int, lock_ns: str, block_info=None):

@@ -20,7 +20,7 @@ import dask
 import numpy as np
 from scipy import stats
 
-from atlasflow import kernels
+from atlasflow import kernels, progress
 from atlasflow.errors import InputError
 from atlasflow.store import source_of
 from atlasflow.tl._groups import Design, GroupStats
@@ -68,7 +68,7 @@ def rank_pass(path, d: Design):
     ncols = 2 * k + 2 * len(tested) + 1
     res = kernels.per_row(xg, kernels.gene_block_ranks, ncols, dask.delayed(d.codes), k, d.sizes, tested,
                           d.reference)
-    (res,) = dask.compute(res)
+    (res,) = progress.compute(res, label="wilcoxon: ranking genes")
     st = GroupStats(sums=res[:, :k].T.copy(), sq=None, nnz=res[:, k : 2 * k].T.copy(), sizes=d.sizes,
                     looks_like_counts=bool(res[:, -1].sum() == 0))
     t = len(tested)
