@@ -398,7 +398,7 @@ def scanpy_run(raw: Path, work: Path, args) -> dict:
     rc, sampler, wall = run_sampled([sys.executable, __file__, "--scanpy-child", str(raw), str(timings)],
                                     work / "scanpy.log", step_of=current_step(timings))
     if rc != 0:
-        return {"failed": f"exit {rc}", "peak": sampler.peak_total, "wall": wall, "steps": {}}
+        return failed_child(rc, work / "scanpy.log", timings, sampler, wall)
     return child_results(timings, sampler, wall)
 
 
@@ -447,8 +447,17 @@ def scanpy_dask_run(raw: Path, work: Path, args) -> dict:
             args.memory_limit or "", str(args.chunk_rows)]
     rc, sampler, wall = run_sampled(argv, work / "scanpy_dask.log", step_of=current_step(timings))
     if rc != 0:
-        return {"failed": f"exit {rc}", "peak": sampler.peak_total, "wall": wall, "steps": {}}
+        return failed_child(rc, work / "scanpy_dask.log", timings, sampler, wall)
     return child_results(timings, sampler, wall)
+
+
+def failed_child(rc: int, log_file: Path, timings: Path, sampler, wall: float) -> dict:
+    """A child that died: its exit status, the step it was in and the last line of its log (the error)."""
+    tail = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()][-1:]
+    now = timings.with_name(timings.name + ".now")
+    step = now.read_text().strip() if now.exists() else "?"
+    why = f"exit {rc} in {step}: {tail[0][:300]}" if tail else f"exit {rc} in {step}"
+    return {"failed": why, "peak": sampler.peak_total, "wall": wall, "steps": {}}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -467,12 +476,12 @@ def report(results: dict, args) -> str:
     lines = ["# Whole pipeline: atlasflow staged (Snakemake) and fused vs scanpy in memory", "",
              f"{results['date']}; `bench/bench_pipeline.py` (see its docstring). Machine: {m.get('cpu', '?')}, "
              f"{m.get('cores', '?')} cores, {m.get('ram_gib', '?')} GiB RAM, Python {m.get('python', '?')}; "
-             f"atlasflow: {args.workers} single-threaded workers, chunk_rows {args.chunk_rows}, worker memory "
-             f"limit {args.memory_limit or 'auto'}.", "",
+             f"atlasflow: {args.workers} single-threaded workers (chunk_rows and worker memory limit: see each "
+             "size).", "",
              "Time: wall seconds. Peak: MiB summed over every process, sampled every 0.2 s. I/O: MiB read / "
              "written through system calls. Ratios: atlasflow / scanpy (time and peak), staged / fused (time).",
              ""]
-    for n, r in results["sizes"].items():
+    for n, r in sorted(results["sizes"].items(), key=lambda kv: int(kv[0])):
         lines += [f"## {int(n):,} cells x {args.n_genes:,} genes", ""]
         info = r.get("info", {})
         if info:
@@ -521,7 +530,21 @@ def report(results: dict, args) -> str:
             other = {k: v for k, v in r["staged"]["steps"].items() if k not in STEPS}
             lines += ["Other stages of the staged run (not compared): " + ", ".join(
                 f"{k} {v['seconds']:.1f} s" for k, v in sorted(other.items())) + ".", ""]
+    lines += scaling(results)
     return "\n".join(lines)
+
+
+def scaling(results: dict) -> list[str]:
+    """Lines comparing the staged runs of successive sizes: how time and peak memory grow with the cells."""
+    staged = sorted((int(n), r["staged"]) for n, r in results["sizes"].items() if "staged" in r)
+    if len(staged) < 2:
+        return []
+    lines = ["## Scaling of the staged run", "",
+             "| from | to | cells | time, all steps | peak memory, all processes |", "|---:|---:|---:|---:|---:|"]
+    for (n0, a), (n1, b) in zip(staged, staged[1:]):
+        lines.append(f"| {n0:,} | {n1:,} | {n1 / n0:.1f}x | {_total(b) / _total(a):.2f}x | "
+                     f"{b['peak'] / a['peak']:.2f}x |")
+    return lines + [""]
 
 
 def _ratio(a, b, key) -> str:
@@ -612,6 +635,8 @@ def main(argv=None) -> int:
                    help="run fused or scanpy_dask only up to N cells (e.g. fused=200000), to keep a 1M run short")
     p.add_argument("--workdir", default="/tmp/atlasflow-bench-pipeline")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--append", action="store_true",
+                   help="add these sizes to the results already in --results (replacing the same sizes)")
     p.add_argument("--keep", action="store_true", help="keep the stores (default: delete each size's)")
     p.add_argument("--smoke", action="store_true", help="2,000 cells x 1,000 genes, chunk_rows 500: runs in seconds")
     args = p.parse_args(argv)
@@ -623,10 +648,16 @@ def main(argv=None) -> int:
                "args": {k: v for k, v in vars(args).items()}}
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
+    previous = out / ("pipeline_smoke.json" if args.smoke else "pipeline.json")
+    if args.append and previous.exists():  # keep the sizes of earlier runs (each records its own settings)
+        results["sizes"] = {n: r for n, r in json.loads(previous.read_text())["sizes"].items()
+                            if int(n) not in args.sizes}
     for n in args.sizes:
         work = Path(args.workdir) / str(n)
         shutil.rmtree(work, ignore_errors=True)
-        r = results["sizes"][str(n)] = {"info": {}}
+        r = results["sizes"][str(n)] = {"info": {
+            "run": results["date"], "chunk_rows": args.chunk_rows,
+            "worker memory limit": args.memory_limit or "auto"}}
         print(f"pipeline bench: {n} cells x {args.n_genes} genes", flush=True)
         r["staged"] = staged(n, work / "staged", args)  # simulates the dataset too
         raw = work / "staged" / "results" / "bench" / "simulate.zarr"
