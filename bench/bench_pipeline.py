@@ -443,8 +443,9 @@ def scanpy_dask_child(raw: str, timings: str, workers: int, memory_limit: str | 
 def scanpy_dask_run(raw: Path, work: Path, args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     timings = work / "scanpy_dask_times.json"
+    limit = args.scanpy_dask_memory_limit or args.memory_limit
     argv = [sys.executable, __file__, "--scanpy-dask-child", str(raw), str(timings), str(args.workers),
-            args.memory_limit or "", str(args.chunk_rows)]
+            "" if limit in (None, "auto") else limit, str(args.chunk_rows)]
     rc, sampler, wall = run_sampled(argv, work / "scanpy_dask.log", step_of=current_step(timings))
     if rc != 0:
         return failed_child(rc, work / "scanpy_dask.log", timings, sampler, wall)
@@ -629,6 +630,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-rows", dest="chunk_rows", type=int, default=10000)
     p.add_argument("--memory-limit", dest="memory_limit", default=None,
                    help="per worker, staged and fused (e.g. 1.5GB); default: the workflow's auto")
+    p.add_argument("--scanpy-dask-memory-limit", dest="scanpy_dask_memory_limit", default=None,
+                   help="per worker of the scanpy_dask run (default: --memory-limit; auto: Dask's default)")
     p.add_argument("--scanpy-max-cells", dest="scanpy_max_cells", type=int, default=200_000,
                    help="run scanpy (in memory) only up to this many cells")
     p.add_argument("--max-cells", dest="max_cells", nargs="+", default=[], metavar="MODE=N",
@@ -658,6 +661,8 @@ def main(argv=None) -> int:
         r = results["sizes"][str(n)] = {"info": {
             "run": results["date"], "chunk_rows": args.chunk_rows,
             "worker memory limit": args.memory_limit or "auto"}}
+        if "scanpy_dask" in args.modes and args.scanpy_dask_memory_limit:
+            r["info"]["scanpy_dask worker memory limit"] = args.scanpy_dask_memory_limit
         print(f"pipeline bench: {n} cells x {args.n_genes} genes", flush=True)
         r["staged"] = staged(n, work / "staged", args)  # simulates the dataset too
         raw = work / "staged" / "results" / "bench" / "simulate.zarr"
