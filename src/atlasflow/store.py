@@ -509,7 +509,7 @@ def _stash_blocks(x: da.Array, stash: Path, key: str) -> tuple[da.Array, np.ndar
     ), label=f"{key}: computing blocks")
     name = f"stashed-{uuid.uuid4().hex}"
     dsk = {(name, i, 0): (_load_stashed, str(stash), i, rows, x.shape[1]) for i, rows in enumerate(x.chunks[0])}
-    return da.Array(dsk, name, chunks=(x.chunks[0], (x.shape[1],)), meta=x._meta), row_nnz
+    return da.Array(dsk, name, chunks=(x.chunks[0], (x.shape[1],)), meta=sp.csr_matrix((0, 0), dtype=x.dtype)), row_nnz
 
 
 def _stash_block(block, stash: str, block_info=None) -> np.ndarray:
