@@ -201,8 +201,8 @@ def test_elementwise_steps_stay_lazy(pbmc3k_raw_store):
 
 
 def test_passes_over_x_per_stage(pbmc3k_raw_store, tmp_path):
-    """Whole-CSR passes: qc once (all metrics in one compute, X linked); normalize once (the totals: its
-    write maps the stored values alone); log1p none (values alone)."""
+    """Whole-CSR passes: qc once (all metrics in one compute, X linked); normalize none (its totals and its
+    write read the stored values alone, not the column indices); log1p none (values alone)."""
     from atlasflow.cli import build_parser
 
     passes = {}
@@ -221,7 +221,7 @@ def test_passes_over_x_per_stage(pbmc3k_raw_store, tmp_path):
                 module.run(ns, None)
             passes[name] = rc.passes(open_store(src, chunk_rows=500).X.numblocks[0])
             src = out
-    assert passes == {"qc": 1, "filter": 1, "normalize": 1, "log1p": 0}
+    assert passes == {"qc": 1, "filter": 1, "normalize": 0, "log1p": 0}
 
 
 def test_exclude_highly_expressed_matches_scanpy(scanpy_pbmc3k, tmp_path):

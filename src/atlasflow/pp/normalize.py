@@ -8,15 +8,16 @@ import anndata as ad
 import dask.array as da
 import numpy as np
 
-from atlasflow import kernels, lazy, progress
+from atlasflow import kernels, lazy, progress, store
 from atlasflow.errors import InputError
 
 log = logging.getLogger(__name__)
 
 
 def _cell_counts(X, gene_mask=None) -> da.Array:
-    if gene_mask is None:
-        return kernels.per_row(X, kernels.row_sums, 1)[:, 0]
+    if gene_mask is None:  # a matrix as stored: its values alone give the totals
+        stored = store.stored_row_sums(X)
+        return kernels.per_row(X, kernels.row_sums, 1)[:, 0] if stored is None else stored
     return kernels.per_row(X, kernels.row_sums_masked, 1, gene_mask)[:, 0]
 
 
