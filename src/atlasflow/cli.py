@@ -119,8 +119,17 @@ def where_it_ran(client=None) -> dict:
     return info
 
 
+def _drop_script_folder() -> None:
+    """Take ``scripts/`` off ``sys.path`` when a stage runs as ``python scripts/<stage>.py``: Python puts the
+    script's folder first, where ``umap.py`` and ``louvain.py`` would shadow the umap-learn and louvain packages."""
+    here = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else None
+    if here is not None and (here / "umap.py").exists() and (here / "qc.py").exists():
+        sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != here]
+
+
 def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None) -> int:
     """Run one stage from a script: parse, log, attach to the cluster, run, summarise; exit code."""
+    _drop_script_folder()
     name = stage.__name__.rsplit(".", 1)[-1]
     parser = build_parser(stage, name)
     try:
