@@ -67,6 +67,8 @@ from bench_foundation import MiB, machine  # noqa: E402
 MODES = ("staged", "fused", "scanpy", "scanpy_dask")
 STEPS = ["qc", "filter", "normalize", "log1p", "hvg", "subset", "scale", "pca", "neighbors", "leiden", "umap",
          "markers_ttest", "markers_wilcoxon"]
+#: Steps on the in-memory embedding and graph (scanpy's own libraries): their memory grows with the cells.
+GRAPH_STEPS = ("neighbors", "leiden", "umap")
 #: Stage scripts of the staged run that are not steps of the comparison (reported apart).
 OTHER_STAGES = ["simulate", "aggregate", "plots", "final", "report_table_markers", "report_table_pseudobulk_sum"]
 PARAMS = {
@@ -571,6 +573,11 @@ def plot(results: dict, path: Path) -> None:
         ns, ts, ms = zip(*sorted(pts))
         ax_t.plot(ns, ts, style, label=mode)
         ax_m.plot(ns, ms, style, label=mode)
+    ooc = [(int(n), max(s["peak"] for k, s in r["staged"]["steps"].items() if k in STEPS and k not in GRAPH_STEPS))
+           for n, r in results["sizes"].items() if "staged" in r and r["staged"].get("steps")]
+    if ooc:  # the stages that stream X, apart from the graph steps that hold the embedding and graph in memory
+        ns, ms = zip(*sorted(ooc))
+        ax_m.plot(ns, [v / 2**30 for v in ms], "o:", color="tab:blue", alpha=0.6, label="staged, out-of-core steps")
     for ax, label in ((ax_t, "wall time, all steps (s)"), (ax_m, "peak memory, all processes (GiB)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
