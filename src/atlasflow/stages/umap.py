@@ -31,7 +31,7 @@ def add_arguments(p):
     p.add_argument("--gamma", type=float, default=1.0, help="weight of negative samples")
     p.add_argument("--negative-sample-rate", dest="negative_sample_rate", type=int, default=5,
                    help="negative samples per positive edge")
-    p.add_argument("--init-pos", dest="init_pos", default="spectral", help="spectral (scanpy's), tswspectral (far less memory at a million cells), random or an obsm key")
+    p.add_argument("--init-pos", dest="init_pos", default="spectral", help="spectral (scanpy's; ~7 GB at 1M cells), random or an obsm key")
     p.add_argument("--random-state", dest="random_state", type=optional_int, default=0, help="seed")
     p.add_argument("--a", type=optional_float, default=None, help="curve parameter a; none: fitted to min_dist/spread")
     p.add_argument("--b", type=optional_float, default=None, help="curve parameter b; none: fitted to min_dist/spread")

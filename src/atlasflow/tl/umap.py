@@ -20,9 +20,9 @@ from atlasflow.tl.neighbors import graph_of, representation
 
 log = logging.getLogger(__name__)
 
-#: ``tswspectral``: umap-learn's spectral initialisation warm-started from a truncated SVD (LOBPCG). ``spectral``
-#: (scanpy's default) gives ARPACK sqrt(cells) Lanczos vectors below 2M cells: ~7 GB at 1M cells.
-INIT_POS = ("spectral", "tswspectral", "random")
+#: ``spectral`` (scanpy's default) runs ARPACK with sqrt(cells) Lanczos vectors below 2M cells (~7 GB at 1M);
+#: ``random`` skips that step.
+INIT_POS = ("spectral", "random")
 
 
 def umap(
