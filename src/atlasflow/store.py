@@ -38,7 +38,7 @@ import scipy.sparse as sp
 import zarr
 from dask.base import tokenize
 
-from atlasflow import lazy, progress
+from atlasflow import kernels, lazy, progress
 from atlasflow.errors import AtlasflowError, StoreError
 
 #: Elements of a 1-D CSR array per Zarr chunk (4 MiB of float32).
@@ -271,17 +271,7 @@ def _lazy_csr(path: Path, key: str, node, chunk_rows: int, store_id: str) -> da.
 
 def _read_csr_block(path: str, key: str, indptr: np.ndarray, n_cols: int) -> sp.csr_matrix:
     start, stop = int(indptr[0]), int(indptr[-1])
-    try:
-        group = zarr.open_group(path, mode="r")[key]
-        data = group["data"][start:stop]
-        indices = group["indices"][start:stop]
-    except Exception as exc:  # noqa: BLE001
-        raise StoreError(
-            f"cannot read rows of {path}/{key} ({type(exc).__name__}: {exc}); "
-            f"the store is damaged: delete it and re-run {writer_of(Path(path))}"
-        ) from exc
-    if data.shape[0] != stop - start or indices.shape[0] != stop - start:
-        raise StoreError(f"{path}/{key} is truncated; delete it and re-run {writer_of(Path(path))}")
+    data, indices = _read_stored(path, key, ("data", "indices"), start, stop)
     return sp.csr_matrix((data, indices.astype(np.int32, copy=False), indptr - start), shape=(len(indptr) - 1, n_cols))
 
 
@@ -304,16 +294,25 @@ def stored_row_sums(x) -> da.Array | None:
 
 
 def _row_sums_of_values(path: str, key: str, indptr: np.ndarray) -> np.ndarray:
-    start, stop = int(indptr[0]), int(indptr[-1])
-    try:
-        data = zarr.open_group(path, mode="r")[key]["data"][start:stop]
-    except Exception as exc:  # noqa: BLE001
-        raise StoreError(f"cannot read values of {path}/{key} ({type(exc).__name__}: {exc}); the store is "
-                         f"damaged: delete it and re-run {writer_of(Path(path))}") from exc
-    if data.shape[0] != stop - start:
-        raise StoreError(f"{path}/{key} is truncated; delete it and re-run {writer_of(Path(path))}")
-    rows = np.repeat(np.arange(indptr.shape[0] - 1), np.diff(indptr))
+    (data,) = _read_stored(path, key, ("data",), int(indptr[0]), int(indptr[-1]))
+    rows = kernels._row_ids_of(indptr - indptr[0], np)
     return np.bincount(rows, weights=data.astype(np.float64), minlength=indptr.shape[0] - 1)
+
+
+def _read_stored(path: str, key: str, parts: tuple[str, ...], start: int, stop: int) -> list[np.ndarray]:
+    """Entries ``start:stop`` of the given arrays of a stored CSR element; a damaged or truncated store is a
+    StoreError that says which stage to re-run."""
+    try:
+        group = zarr.open_group(path, mode="r")[key]
+        arrays = [group[part][start:stop] for part in parts]
+    except Exception as exc:  # noqa: BLE001
+        raise StoreError(
+            f"cannot read rows of {path}/{key} ({type(exc).__name__}: {exc}); "
+            f"the store is damaged: delete it and re-run {writer_of(Path(path))}"
+        ) from exc
+    if any(a.shape[0] != stop - start for a in arrays):
+        raise StoreError(f"{path}/{key} is truncated; delete it and re-run {writer_of(Path(path))}")
+    return arrays
 
 
 def row_bounds(n_rows: int, chunk_rows: int) -> list[tuple[int, int]]:
