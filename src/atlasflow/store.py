@@ -546,11 +546,15 @@ def _stash_block(block, stash: str, block_info=None) -> np.ndarray:
     block = sp.csr_matrix(_to_host(block))
     i = block_info[0]["chunk-location"][0]
     for part in ("data", "indices", "indptr"):
-        final = Path(stash, f"{i}.{part}.npy")
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}.npy")  # a retried task replaces it whole
-        np.save(tmp, getattr(block, part))
-        os.replace(tmp, final)
+        save_npy(Path(stash, f"{i}.{part}.npy"), getattr(block, part))
     return np.diff(block.indptr).astype(np.int64)
+
+
+def save_npy(final: Path, arr: np.ndarray) -> None:
+    """``np.save`` to a hidden sibling, then rename: a retried task replaces the file whole."""
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, final)
 
 
 def _load_stashed(stash: str, i: int, n_rows: int, n_cols: int) -> sp.csr_matrix:

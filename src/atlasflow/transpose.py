@@ -35,7 +35,7 @@ import zarr
 
 from atlasflow.backend import issparse, to_host
 from atlasflow.errors import InputError
-from atlasflow.store import META_KEY, open_store, row_bounds, source_of, write_store
+from atlasflow.store import META_KEY, open_store, row_bounds, save_npy, source_of, write_store
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +151,7 @@ def _save_csc(block, scratch: str, block_info=None) -> np.ndarray:
     csc.sort_indices()
     for name, arr in (("data", csc.data), ("indices", csc.indices.astype(np.int32, copy=False)),
                       ("indptr", csc.indptr.astype(np.int64, copy=False))):
-        final = Path(scratch, f"{i}.{name}.npy")
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}.npy")
-        np.save(tmp, arr)
-        os.replace(tmp, final)
+        save_npy(Path(scratch, f"{i}.{name}.npy"), arr)
     return np.diff(csc.indptr).astype(np.int64).reshape(1, -1)
 
 
