@@ -6,6 +6,7 @@ import warnings
 
 import anndata as ad
 import dask
+import dask.array as da
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -310,6 +311,76 @@ def test_scaled_gram_from_sparse_equals_dense(zero_center, max_value):
         c = comps[: zc.shape[1]]
         np.testing.assert_allclose(kernels.scaled_project_block(x, *scaling, c, offset, cols),
                                    kernels.project_block(zc, c, offset), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("zero_center,max_value", [(True, 10.0), (True, None), (True, 0.5), (False, 2.0)])
+def test_scaled_entries_loop_gives_the_bits_of_the_numpy_scaling(dtype, zero_center, max_value):
+    """The numba loop behind the sparse route rounds each stored value as ``scaled_values`` does."""
+    from atlasflow import kernels
+
+    rng = np.random.default_rng(5)
+    x = sp.random(300, 40, density=0.2, random_state=6, format="csr", dtype=np.float64)
+    x.data = rng.gamma(2, 1, x.nnz) * 3
+    mean, std = rng.random(40) * 2, rng.random(40) * 0.5 + 0.01
+    y, z0 = kernels._scaled_sparse(x, mean, std, zero_center, max_value, dtype)
+    ref = kernels.scaled_values(x.data.astype(dtype), mean[x.indices], std[x.indices], zero_center, max_value,
+                                dtype).astype(np.float64) - z0[x.indices]
+    np.testing.assert_array_equal(y.data, ref)
+    if max_value is not None:  # clipping is exercised
+        assert (ref + z0[x.indices] == np.float64(np.dtype(dtype).type(max_value))).any()
+
+
+def test_lanes_sum_the_blocks_in_a_fixed_order(monkeypatch, client):
+    """``accumulate_blocks`` (PCA's Gram matrix): lanes of blocks each fill one buffer; the sum equals the
+    per-block partials' sum, with the same bits in-process and on the 2-worker cluster, and at most
+    MAX_LANES buffers whatever the number of blocks."""
+    from atlasflow import kernels
+
+    rng = np.random.default_rng(7)
+    x = sp.random(1000, 30, density=0.2, random_state=8, format="csr", dtype=np.float32)
+    x.data = rng.gamma(2, 1, x.nnz).astype(np.float32)
+    dx = da.from_array(x, chunks=(50, 30), asarray=False)  # 20 blocks
+    monkeypatch.setattr(kernels, "LANE_BLOCKS", 3)
+    monkeypatch.setattr(kernels, "MAX_LANES", 4)  # 20 blocks in 4 lanes of 5
+    lanes = kernels.accumulate_blocks(dx, kernels.gram_and_sums, 30 * 30 + 30)
+    n_steps = sum(1 for k in lanes.__dask_graph__() if "lane_step" in str(k))
+    assert n_steps == 20
+    with dask.config.set(scheduler="sync"):
+        local = lanes.compute()
+        tree = kernels.over_blocks(dx, kernels.gram_and_sums, 30 * 30 + 30).compute()
+    np.testing.assert_allclose(local, tree, rtol=1e-12)
+    dense = x.toarray().astype(np.float64)
+    np.testing.assert_allclose(local[:900].reshape(30, 30), dense.T @ dense, rtol=1e-12)
+    np.testing.assert_array_equal(client.compute(lanes).result(), local)
+
+
+def test_pca_keeps_a_small_x_in_memory_between_its_passes(tutorial, tmp_path, monkeypatch, caplog):
+    """On a distributed cluster, PCA reads a stored X once when it fits in ``cache.SHARE`` of the workers'
+    memory, twice (streaming) when it does not; the same PCA either way."""
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    from atlasflow import cache
+    from atlasflow.store import open_store
+
+    path = store_of(tutorial["scaled"], tmp_path / "scaled.zarr", 700)
+    n_blocks = -(-tutorial["scaled"].n_obs // 700)
+    runs = {}
+    with (LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0",
+                       memory_limit="2GB") as cluster, Client(cluster)):
+        for share in (0.1, 0.0):
+            monkeypatch.setattr(cache, "SHARE", share)
+            a = open_store(path)
+            caplog.clear()
+            with count_x_reads(path) as reads, caplog.at_level(logging.INFO):
+                pp.pca(a)
+            kept = "keeping X in the workers' memory" in caplog.text
+            assert (kept, reads["X"]) == ((True, n_blocks) if share else (False, 2 * n_blocks)), share
+            runs[share] = a
+    np.testing.assert_array_equal(runs[0.1].obsm["X_pca"], runs[0.0].obsm["X_pca"])
+    _assert_pca_matches(runs[0.1], tutorial["pca"])
 
 
 def test_pca_stage_from_the_sparse_matrix_scale_read(tutorial, tmp_path, caplog):

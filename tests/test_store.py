@@ -62,6 +62,34 @@ def test_changed_elements_are_written(source, tmp_path):
     np.testing.assert_array_equal(out.obsm["X_pca"], ref.obsm["X_pca"] * 2)
 
 
+def test_obs_opened_without_columns_is_linked_whole_or_refused_if_changed(source, tmp_path):
+    from atlasflow.errors import StoreError
+
+    a = open_store(source, obs_columns=False)
+    assert list(a.obs.columns) == [] and list(a.obs_names) == list(ad.read_zarr(source).obs_names)
+    a.obsm["X_umap"] = np.ones((a.n_obs, 2), np.float32)
+    write_store(a, tmp_path / "out.zarr")
+    assert _inode(tmp_path / "out.zarr" / "obs") == _inode(source / "obs")
+    pd.testing.assert_frame_equal(ad.read_zarr(tmp_path / "out.zarr").obs, ad.read_zarr(source).obs)
+    np.testing.assert_array_equal(ad.read_zarr(tmp_path / "out.zarr").obsm["X_umap"], 1)
+    b = open_store(source, obs_columns=False)
+    b.obs["new"] = 1.0
+    with pytest.raises(StoreError, match="opened without its columns"):
+        write_store(b, tmp_path / "bad.zarr")
+    assert not (tmp_path / "bad.zarr").exists()
+
+
+def test_open_matrix_gives_the_matrix_and_names_alone(source):
+    from atlasflow.store import open_matrix
+
+    x, obs_names, var_names = open_matrix(source, chunk_rows=20)
+    a = open_store(source, chunk_rows=20)
+    assert obs_names.equals(a.obs_names) and var_names.equals(a.var_names)
+    assert x.chunks == a.X.chunks
+    with dask.config.set(scheduler="sync"):
+        assert (x.compute() != a.X.compute()).nnz == 0
+
+
 def test_reordered_categories_are_a_change(source, tmp_path):
     a = open_store(source)
     a.obs["group"] = a.obs["group"].cat.reorder_categories(["b", "a"])

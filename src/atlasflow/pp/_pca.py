@@ -21,7 +21,7 @@ import anndata as ad
 import dask.array as da
 import numpy as np
 
-from atlasflow import kernels, progress
+from atlasflow import cache, kernels, progress
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.pp._utils import get_matrix, shared
 
@@ -98,37 +98,9 @@ def pca(
             f"pca: {m} genes need a {gram_mib:,.0f} MiB Gram matrix (max_gram_mib={max_gram_mib:g}); "
             "subset to highly variable genes first (hvg + subset stages) or raise max_gram_mib"
         )
-    idx_arg = None if col_idx is None else shared(col_idx)
-    if scaled_from is None:
-        gram_parts = kernels.over_blocks(X, kernels.gram_and_sums, m * m + m, idx_arg)
-        project, proj_args = kernels.project_block, ()
-    else:
-        log.info("pca: Gram matrix and projection from the sparse matrix X was scaled from")
-        scaling = scaled_from.scaling()
-        gram_parts = kernels.over_blocks(X, kernels.scaled_gram_and_sums, m * m + m, *scaling, idx_arg)
-        project, proj_args = kernels.scaled_project_block, scaling
-    (parts,) = progress.compute(gram_parts, label="pca: Gram matrix")
-    gram, sums = parts[: m * m].reshape(m, m), parts[m * m :]
-    if scaled_from is not None:
-        gram, sums = _add_scaled_zero(gram, sums, scaled_from, col_idx, n)
-    mu = sums / n
-    if zero_center:
-        cov = gram - n * np.outer(mu, mu)
-        cov /= n - 1
-        evals, comps = _top_eigh(cov, n_comps)
-        evals = np.where(evals < 0, 0.0, evals)
-        variance = evals
-        variance_ratio = variance / np.trace(cov)
-        offset = mu @ comps.T
-    else:
-        _, comps = _top_eigh(gram, n_comps)
-        cov_biased = gram / n - np.outer(mu, mu)
-        variance = np.einsum("ij,jk,ik->i", comps, cov_biased, comps)
-        variance_ratio = variance / np.trace(cov_biased)
-        offset = np.zeros(n_comps)
-    proj = X.map_blocks(project, *proj_args, shared(comps.T.copy()), offset, idx_arg,
-                        chunks=(X.chunks[0], (n_comps,)), dtype=np.float64, meta=np.empty((0, 0)))
-    (x_pca,) = progress.compute(proj, label="pca: projection")
+    with cache.kept(X, label="pca") as X:
+        variance, variance_ratio, comps, x_pca = _fit_and_project(X, n, m, n_comps, zero_center, col_idx,
+                                                                  scaled_from)
     x_pca = x_pca.astype(dtype, copy=False)
     key_obsm, key_varm, key_uns = ("X_pca", "PCs", "pca") if key_added is None else (key_added,) * 3
     adata.obsm[key_obsm] = x_pca
@@ -148,13 +120,52 @@ def pca(
     return adata if copy else None
 
 
-def _add_scaled_zero(upper, ysums, scaled_from: ScaledFrom, col_idx, n: int):
-    """Gram matrix and sums of ``Z = Y + 1z0ᵀ`` from the upper triangle of ``YᵀY`` and the sums of ``Y``."""
+def _fit_and_project(X, n: int, m: int, n_comps: int, zero_center: bool, col_idx, scaled_from):
+    """The two passes over X: Gram matrix and sums, eigendecomposition, then the projection of every block.
+
+    Returns (variance, variance_ratio, components as rows, X_pca in float64).
+    """
+    idx_arg = None if col_idx is None else shared(col_idx)
+    if scaled_from is None:
+        gram_parts = kernels.accumulate_blocks(X, kernels.gram_and_sums, m * m + m, idx_arg)
+        project, proj_args = kernels.project_block, ()
+    else:
+        log.info("pca: Gram matrix and projection from the sparse matrix X was scaled from")
+        scaling = scaled_from.scaling()
+        gram_parts = kernels.accumulate_blocks(X, kernels.scaled_gram_and_sums, m * m + m, *scaling, idx_arg)
+        project, proj_args = kernels.scaled_project_block, scaling
+    (parts,) = progress.compute(gram_parts, label="pca: Gram matrix")
+    gram, sums = parts[: m * m].reshape(m, m), parts[m * m :]
+    if scaled_from is not None:
+        gram = gram + np.triu(gram, 1).T  # the kernel fills the upper triangle
+        gram, sums = _add_scaled_zero(gram, sums, scaled_from, col_idx, n)
+    mu = sums / n
+    if zero_center:
+        cov = gram - n * np.outer(mu, mu)
+        cov /= n - 1
+        evals, comps = _top_eigh(cov, n_comps)
+        evals = np.where(evals < 0, 0.0, evals)
+        variance = evals
+        variance_ratio = variance / np.trace(cov)
+        offset = mu @ comps.T
+    else:
+        _, comps = _top_eigh(gram, n_comps)
+        cov_biased = gram / n - np.outer(mu, mu)
+        variance = np.einsum("ij,jk,ik->i", comps, cov_biased, comps)
+        variance_ratio = variance / np.trace(cov_biased)
+        offset = np.zeros(n_comps)
+    proj = X.map_blocks(project, *proj_args, shared(comps.T.copy()), offset, idx_arg,
+                        chunks=(X.chunks[0], (n_comps,)), dtype=np.float64, meta=np.empty((0, 0)))
+    (x_pca,) = progress.compute(proj, label="pca: projection")
+    return variance, variance_ratio, comps, x_pca
+
+
+def _add_scaled_zero(gram, ysums, scaled_from: ScaledFrom, col_idx, n: int):
+    """Gram matrix and sums of ``Z = Y + 1z0ᵀ`` from ``YᵀY`` (added to in place) and the sums of ``Y``."""
     mean, std = scaled_from.mean, scaled_from.std
     if col_idx is not None:
         mean, std = mean[col_idx], std[col_idx]
     z0 = kernels.scaled_zero(mean, std, scaled_from.zero_center, scaled_from.max_value, scaled_from.dtype)
-    gram = upper + np.triu(upper, 1).T
     cross = np.outer(z0, ysums)
     gram += n * np.outer(z0, z0)
     gram += cross

@@ -14,7 +14,7 @@ import numpy as np
 from atlasflow import pp
 from atlasflow.pp._pca import _EMPTY, MAX_GRAM_MIB, ScaledFrom
 from atlasflow.stages._common import shape_summary
-from atlasflow.store import _is_sparse_meta, open_store, provenance, write_store
+from atlasflow.store import _is_sparse_meta, open_matrix, open_store, provenance, write_store
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def add_arguments(p):
 
 
 def run(args, client) -> dict:
-    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    adata = open_store(args.input, chunk_rows=args.chunk_rows, obs_columns=False)  # pca never reads obs
     mask = {"auto": _EMPTY, "none": None, None: None}.get(args.mask_var, args.mask_var)
     scaled_from = None if args.layer else scaled_source(adata, args.input, args.unscaled, args.chunk_rows)
     pp.pca(adata, args.n_comps, zero_center=args.zero_center, mask_var=mask, key_added=args.key_added,
@@ -70,14 +70,16 @@ def scaled_source(adata, scaled: str, unscaled: str | None, chunk_rows: int) -> 
         why = "the scale stage used a layer or mask_obs"
     elif not {"mean", "std"} <= set(adata.var.columns):
         why = "var lacks the scale stage's mean and std"
-    elif (source := open_store(unscaled, chunk_rows=chunk_rows)).X is None or not _is_sparse_meta(source.X):
-        why = f"X of {unscaled} is not sparse"
-    elif (source.shape != adata.shape or not source.var_names.equals(adata.var_names)
-          or not source.obs_names.equals(adata.obs_names)):
-        why = f"{unscaled} does not have the cells and genes of {scaled}"
+    else:
+        source, obs_names, var_names = open_matrix(unscaled, chunk_rows=chunk_rows)
+        if not _is_sparse_meta(source):
+            why = f"X of {unscaled} is not sparse"
+        elif (source.shape != adata.shape or not var_names.equals(adata.var_names)
+              or not obs_names.equals(adata.obs_names)):
+            why = f"{unscaled} does not have the cells and genes of {scaled}"
     if why:
         log.info("pca: reading the dense scaled X (%s)", why)
         return None
-    return ScaledFrom(source=source.X, mean=adata.var["mean"].to_numpy(np.float64),
+    return ScaledFrom(source=source, mean=adata.var["mean"].to_numpy(np.float64),
                       std=adata.var["std"].to_numpy(np.float64), zero_center=bool(prov["zero_center"]),
                       max_value=prov["max_value"], dtype=np.dtype(adata.X.dtype))
