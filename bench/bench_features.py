@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", choices=["per-stage", "shared", "both"], default="both",
                    help="each stage starts its own local cluster, or all attach to one shared cluster "
                         "(the workflow's default for local runs), or both, one after the other")
+    p.add_argument("--memory-limit", default="auto",
+                   help="memory limit per worker (e.g. 1.5GB; auto: the machine's RAM shared among the workers)")
     p.add_argument("--no-scanpy", action="store_true", help="atlasflow only (when the data do not fit in memory)")
     p.add_argument("--scanpy-solver", default="arpack")
     p.add_argument("--scanpy-timeout", type=float, default=3600)
@@ -174,6 +176,7 @@ def main(argv=None) -> int:
     agreement = (compare(work, work / modes[0] / "pca.zarr")
                  if ok and scanpy and scanpy["rc"] == 0 else None)
     result = {"n_cells": n_cells, "n_genes": n_genes, "chunk_rows": args.chunk_rows, "workers": args.workers,
+              "memory_limit": args.memory_limit,
               "scanpy_solver": args.scanpy_solver, "machine": machine(), "atlasflow": runs, "scanpy": scanpy,
               "agreement": agreement, "date": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.results)
@@ -191,11 +194,12 @@ def run_chain(src: Path, work: Path, args, shared: bool) -> tuple[list[dict], bo
     from atlasflow import shared_cluster
 
     work.mkdir(parents=True)
-    common = ["--chunk-rows", str(args.chunk_rows), "--n-workers", str(args.workers)]
+    common = ["--chunk-rows", str(args.chunk_rows), "--n-workers", str(args.workers),
+              "--memory-limit", args.memory_limit]
     extra_pids = None
     if shared:
         sched_file = work / "scheduler.json"
-        pids = shared_cluster.start(sched_file, n_workers=args.workers)
+        pids = shared_cluster.start(sched_file, n_workers=args.workers, memory_limit=args.memory_limit)
         extra_pids = {pids["scheduler"]: "shared scheduler", **{w: "shared worker" for w in pids["workers"]}}
         common += ["--scheduler-file", str(sched_file)]
     chain = [
@@ -228,7 +232,7 @@ def report(r: dict) -> str:
         f"# Feature selection to PCA: {r['n_cells']:,} cells x {r['n_genes']:,} genes",
         "",
         f"{r['date']}. atlasflow: one stage script per step with {r['workers']} single-threaded workers, "
-        f"chunk_rows {r['chunk_rows']}; *per-stage*: each script starts and stops its own local cluster; "
+        f"memory limit {r.get('memory_limit', 'auto')} each, chunk_rows {r['chunk_rows']}; *per-stage*: each script starts and stops its own local cluster; "
         "*shared*: every script attaches to one cluster started before the chain (`atlasflow cluster start`, "
         "what the workflow does for local runs by default). Wall time is the script's, from process start to "
         f"exit. scanpy: one in-memory process (read_zarr, highly_variable_genes, subset, scale, pca "

@@ -4,7 +4,9 @@ This is scikit-learn's ``PCA(svd_solver='covariance_eigh')`` (what ``scanpy.pp.p
 svd_solver='covariance_eigh')`` runs) built from per-block float64 partials: covariance
 ``(XᵀX - n μμᵀ) / (n - 1)``, its ``n_comps`` largest eigenpairs (negative eigenvalues from rounding set to 0,
 variance ratios over the trace), signs fixed as sklearn's ``svd_flip`` does (the largest-magnitude loading of
-each component is positive). A second pass projects each block, ``X @ V - μ @ V``. ``zero_center=False``
+each component is positive). A second pass projects each block, ``X @ V - μ @ V``; a matrix small
+enough is kept on the workers between the two passes (``cache.kept``). The Gram partials are summed in
+fixed lanes of blocks (``kernels.accumulate_blocks``): the same bits whatever the cluster. ``zero_center=False``
 gives the truncated SVD (top eigenvectors of ``XᵀX``) with TruncatedSVD's variance definitions.
 
 Scaled data are dense, but the matrix they were scaled from usually is not: given ``scaled_from`` (the
