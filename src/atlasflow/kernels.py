@@ -41,8 +41,6 @@ def over_blocks(x: da.Array, fn, size: int, *args) -> da.Array:
     each task adding into one buffer. Dask's generic sum stacks its inputs first, a copy of every partial:
     with Gram-matrix partials (32 MB for 2,000 genes) that was a fifth of PCA's pass.
     """
-    import dask
-
     if x.numblocks[1] != 1:
         x = x.rechunk({1: -1})
     parts = x.map_blocks(
@@ -52,7 +50,13 @@ def over_blocks(x: da.Array, fn, size: int, *args) -> da.Array:
         dtype=np.float64,
         meta=np.empty((0, 0), np.float64),
     )
-    level = list(parts.to_delayed(optimize_graph=False).ravel())  # keys shared with other results of X
+    return _summed(list(parts.to_delayed(optimize_graph=False).ravel()), size)  # keys shared with X's results
+
+
+def _summed(level: list, size: int) -> da.Array:
+    """The sum of delayed (size,) partials in a fixed tree (``SUM_FAN_IN`` per task), as a lazy array."""
+    import dask
+
     while True:
         level = [dask.delayed(_add_partials, pure=True)(*level[i : i + SUM_FAN_IN])
                  for i in range(0, len(level), SUM_FAN_IN)]
@@ -89,11 +93,7 @@ def accumulate_blocks(x: da.Array, fn, size: int, *args) -> da.Array:
         for i in lane:
             acc = dask.delayed(_lane_step, pure=True)(acc, blocks[i], fn, size, *args)
         lanes.append(acc)
-    level = lanes
-    while len(level) > 1:
-        level = [dask.delayed(_add_partials, pure=True)(*level[i : i + SUM_FAN_IN])
-                 for i in range(0, len(level), SUM_FAN_IN)]
-    return da.from_delayed(level[0], shape=(size,), dtype=np.float64, meta=np.empty((0,), np.float64))
+    return _summed(lanes, size)
 
 
 def _lane_step(out, block, fn, size: int, *args) -> np.ndarray:

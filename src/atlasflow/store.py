@@ -87,10 +87,7 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backen
         root = zarr.open_group(str(path), mode="r")
     except Exception as exc:  # noqa: BLE001 - zarr raises several types for a broken group
         raise StoreError(f"{path} is not a readable Zarr store ({exc})") from exc
-    meta = dict(root.attrs.get(META_KEY, {}))
-    if chunk_rows is None:
-        chunk_rows = int(meta.get("chunk_rows", 10_000))
-    store_id = meta.get("store_id", str(path.resolve()))
+    chunk_rows, store_id = _chunking_and_id(root, path, chunk_rows)
 
     def small(key):
         if key not in root:
@@ -131,6 +128,14 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backen
 _READ: dict[int, tuple] = {}
 
 
+def _chunking_and_id(root, path: Path, chunk_rows: int | None) -> tuple[int, str]:
+    """The row chunk to read a store with (``chunk_rows``, else the store's own, else 10,000) and its id."""
+    meta = dict(root.attrs.get(META_KEY, {}))
+    if chunk_rows is None:
+        chunk_rows = int(meta.get("chunk_rows", 10_000))
+    return chunk_rows, meta.get("store_id", str(path.resolve()))
+
+
 def _names_only(root, axis: str, path: Path) -> pd.DataFrame | None:
     """obs (or var) as a frame of its index alone, read without its columns."""
     if axis not in root:
@@ -142,10 +147,6 @@ def _names_only(root, axis: str, path: Path) -> pd.DataFrame | None:
         raise StoreError(f"cannot read {axis} names of {path}: {exc}") from exc
 
 
-#: ids of frames ``open_store`` read without their columns (``obs_columns=False``)
-_PARTIAL: set[int] = set()
-
-
 def remember_read(adata: ad.AnnData, path: Path, partial_obs: bool = False) -> None:
     """Record the in-memory elements just read from ``path``, so an unchanged one is linked when written.
 
@@ -153,26 +154,35 @@ def remember_read(adata: ad.AnnData, path: Path, partial_obs: bool = False) -> N
     CSR/CSC matrices are made read-only instead (free; changing one in place raises), so the same object
     means the same values. ``partial_obs``: obs was read without its columns.
     """
-    if partial_obs:
-        _PARTIAL.add(id(adata.obs))
-        weakref.finalize(adata.obs, _PARTIAL.discard, id(adata.obs))
-    entries = [("obs", adata.obs, _frame_fingerprint(adata.obs)), ("var", adata.var, _frame_fingerprint(adata.var))]
+    entries = [("obs", adata.obs, _frame_fingerprint(adata.obs), partial_obs),
+               ("var", adata.var, _frame_fingerprint(adata.var), False)]
     for axis in ("obsm", "varm", "obsp", "varp"):
-        entries += [(f"{axis}/{k}", v, None) for k, v in getattr(adata, axis).items() if _freeze(v)]
-    for key, obj, fingerprint in entries:
+        entries += [(f"{axis}/{k}", v, None, False) for k, v in getattr(adata, axis).items() if _freeze(v)]
+    for key, obj, fingerprint, partial in entries:
         ref = weakref.ref(obj, functools.partial(_forget, id(obj)))
-        _READ[id(obj)] = (ref, str(path), key, fingerprint)
+        _READ[id(obj)] = (ref, str(path), key, fingerprint, partial)
 
 
 def read_unchanged(obj) -> Path | None:
     """Where ``obj`` was read from, if it is an element ``open_store`` read and it has not changed since."""
-    entry = _READ.get(id(obj))
-    if entry is None or entry[0]() is not obj:
+    entry = _read_entry(obj)
+    if entry is None:
         return None
-    ref, path, key, fingerprint = entry
+    ref, path, key, fingerprint, _ = entry
     same = _frame_fingerprint(obj) == fingerprint if fingerprint is not None else _is_frozen(obj)
     src = Path(path) / key
     return src if same and src.exists() else None
+
+
+def read_partial(obj) -> bool:
+    """Whether ``obj`` is a frame ``open_store`` read without its columns (``obs_columns=False``)."""
+    entry = _read_entry(obj)
+    return entry is not None and entry[4]
+
+
+def _read_entry(obj) -> tuple | None:
+    entry = _READ.get(id(obj))
+    return entry if entry is not None and entry[0]() is obj else None
 
 
 def _forget(obj_id: int, ref) -> None:
@@ -226,9 +236,7 @@ def open_matrix(path: str | os.PathLike, key: str = "X", *,
         raise
     except Exception as exc:  # noqa: BLE001 - zarr/anndata raise several types for a broken store
         raise StoreError(f"{path} is not a readable AnnData store ({exc})") from exc
-    meta = dict(root.attrs.get(META_KEY, {}))
-    chunk_rows = int(meta.get("chunk_rows", 10_000)) if chunk_rows is None else chunk_rows
-    store_id = meta.get("store_id", str(path.resolve()))
+    chunk_rows, store_id = _chunking_and_id(root, path, chunk_rows)
     return lazy_elem(path, key, chunk_rows=chunk_rows, store_id=store_id), names[0], names[1]
 
 
@@ -434,7 +442,7 @@ def write_store(
         for key, value in small.items():
             if (src := read_unchanged(value)) is not None:
                 linked[key] = src
-            elif id(value) in _PARTIAL:
+            elif read_partial(value):
                 raise StoreError(f"{key} was opened without its columns (obs_columns=False) and then changed: "
                                  "writing it would drop them; open the store with its obs columns")
         aligned = {axis: {k: v for k, v in getattr(adata, axis).items() if f"{axis}/{k}" not in linked}
