@@ -2,7 +2,8 @@
 
 ``atlasflow cluster start --scheduler-file F`` launches ``dask scheduler`` and ``dask worker``
 processes detached from the caller (the Snakefile's ``onstart`` does this for local runs), waits until
-the workers are connected, and records the process ids next to the scheduler file.
+the workers are connected, and records the process ids next to the scheduler file. Meanwhile a short-lived
+process compiles the numba kernels (`jit_warm`), so the long-lived workers load them instead of compiling.
 ``atlasflow cluster stop --scheduler-file F`` ends them (``onsuccess``/``onerror``). Every stage then
 attaches through ``ATLASFLOW_SCHEDULER_FILE`` instead of paying for a cluster of its own.
 """
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from atlasflow.cluster import WORKER_ENV, allocation_cores
+from atlasflow import jit_warm
 from atlasflow.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ def start(scheduler_file: str | os.PathLike, *, n_workers: int | None = None, me
         ))
     pids = {"scheduler": sched.pid, "workers": [w.pid for w in workers]}
     _pids_file(scheduler_file).write_text(json.dumps(pids))
+    jit_warm.in_subprocess()  # while the workers start: they then load compiled kernels instead of compiling
 
     from distributed import Client
 
