@@ -31,8 +31,9 @@ def _run(code_args, cache_dir):
 
 
 def test_warm_compiles_what_the_stages_then_load(tmp_path):
-    cold = _run(["-c", _STAGE_LIKE_CALLS], tmp_path / "cold").stdout.split("\n")
-    assert all(line.endswith(" 0 1") for line in cold if line), cold  # empty cache: each kernel compiled here
+    cold = _run(["-c", _STAGE_LIKE_CALLS], tmp_path / "cold").stdout.splitlines()
+    assert len(cold) == 5
+    assert all(line.endswith(" 0 1") for line in cold), cold  # empty cache: each kernel compiled here
 
     _run(["-m", "atlasflow.jit_warm"], tmp_path / "warm")
     warmed = [line.split() for line in _run(["-c", _STAGE_LIKE_CALLS], tmp_path / "warm").stdout.splitlines()]

@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from atlasflow.cluster import WORKER_ENV, allocation_cores
 from atlasflow import jit_warm
+from atlasflow.cluster import WORKER_ENV, allocation_cores
 from atlasflow.errors import ClusterError
 
 log = logging.getLogger(__name__)
