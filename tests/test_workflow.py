@@ -205,6 +205,30 @@ def test_one_target_builds_only_what_it_needs(tmp_path):
     assert jobs == {"simulate": 1, "qc": 1, "filter": 1, "normalize": 1}
 
 
+def planned_gpus(workdir: Path) -> dict[str, int]:
+    """The `gpu` resource of every job of a dry run, by rule (0 where the job declares none)."""
+    out = snakemake(workdir, "--dry-run").stdout
+    jobs = re.findall(r"^rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", out, re.M)
+    assert jobs, out
+    return {rule: int(dict(kv.split("=", 1) for kv in res.split(", ")).get("gpu", 0)) for rule, res in jobs}
+
+
+def test_gpu_backend_gives_computing_stages_one_gpu_each(tmp_path):
+    """backend gpu: every stage that computes asks for gpu=1 (SLURM --gpus=1; the local profile's budget);
+    reading and plotting stages ask for none; backend cpu asks for no GPU at all."""
+    write_config(tmp_path, {**TINY_CONFIG, "backend": "gpu"})
+    gpus = planned_gpus(tmp_path)
+    computing = {"qc", "filter", "normalize", "log1p", "hvg", "subset", "scale", "pca", "neighbors", "leiden",
+                 "umap", "rank_genes_groups", "aggregate"}
+    assert computing <= set(gpus), gpus
+    assert {r for r, n in gpus.items() if n == 1} == computing, gpus
+    assert all(n == 0 for r, n in gpus.items() if r not in computing), gpus
+    write_config(tmp_path, TINY_CONFIG)
+    assert not any(planned_gpus(tmp_path).values())
+    local = yaml.safe_load((ROOT / "profiles" / "local" / "config.v8+.yaml").read_text())
+    assert local["resources"]["gpu"] == 1  # one GPU job at a time on a workstation
+
+
 def test_failing_stage_leaves_no_output(tmp_path, dask_address):
     """A stage that fails (here: the simulator rejects its parameters) leaves no store behind."""
     config = {**TINY_CONFIG, "datasets": {DATASET: {"simulate": {"n_genes": 100, "n_cell_types": 40}}},

@@ -3,8 +3,9 @@
 A stage rule is written with these helpers only; rules/preprocess.smk is the model to copy. Its named
 input `input` is the previous stage's store(...), its named outputs are `output` (the directory() of
 store(stage)) and `summary` (summary_json(stage)); params are **stage_params(stage); log, benchmark,
-threads and resources come from log_file, benchmark_file, rule_threads, rule_mem_mb and rule_runtime;
-conda is ../../envs/cpu.yaml and script ../../scripts/<stage>.py (paths relative to the rule file). A
+threads and resources come from log_file, benchmark_file, rule_threads, rule_mem_mb, rule_gpus and
+rule_runtime; conda is conda_env(stage) (envs/cpu.yaml, or envs/gpu.yaml for a GPU job) and script
+../../scripts/<stage>.py (paths relative to the rule file). A
 rule file appends its stages to PIPELINE in workflow order, and the `all` target builds the last one.
 
 The names of `input`, `output`, `summary` and of every param are the argparse destinations of the stage
@@ -341,6 +342,27 @@ def rule_mem_mb(stage):
     """mem_mb of a stage's job; a retried job (`--retries`, attempt n) asks for n x the configured value."""
     mem_mb = _resource(stage, "mem_mb")
     return lambda wildcards, attempt: mem_mb * attempt
+
+
+#: Stages that compute with the configured backend (the others only read files or plot). With backend gpu
+#: their jobs ask for a GPU and run in envs/gpu.yaml.
+GPU_STAGES = ("qc", "filter", "normalize", "log1p", "hvg", "subset", "regress_out", "scale", "pca", "score_genes",
+              "neighbors", "leiden", "louvain", "umap", "rank_genes_groups", "aggregate")
+
+
+def rule_gpus(stage):
+    """GPUs a stage's job asks for (Snakemake resource `gpu`): 1 with backend gpu, else 0.
+
+    The SLURM executor turns gpu=1 into `--gpus=1` (SLURM then sets CUDA_VISIBLE_DEVICES to the job's card);
+    locally, profiles/local's `resources: gpu: 1` lets one GPU job run at a time, so two never share a card.
+    backend auto asks for none: it uses a GPU only where the job happens to see one.
+    """
+    return 1 if config["backend"] == "gpu" and stage in GPU_STAGES else 0
+
+
+def conda_env(stage):
+    """Conda environment of a stage's job, relative to the rules folder: envs/gpu.yaml for GPU jobs, else cpu."""
+    return "../../envs/gpu.yaml" if rule_gpus(stage) else "../../envs/cpu.yaml"
 
 
 def rule_runtime(stage):

@@ -22,9 +22,10 @@ rule hvg:
     threads: rule_threads("hvg")
     resources:
         mem_mb=rule_mem_mb("hvg"),
+        gpu=rule_gpus("hvg"),
         runtime=rule_runtime("hvg"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("hvg")
     script:
         "../../scripts/hvg.py"
 
@@ -44,9 +45,10 @@ rule subset:
     threads: rule_threads("subset")
     resources:
         mem_mb=rule_mem_mb("subset"),
+        gpu=rule_gpus("subset"),
         runtime=rule_runtime("subset"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("subset")
     script:
         "../../scripts/subset.py"
 
@@ -66,9 +68,10 @@ rule regress_out:
     threads: rule_threads("regress_out")
     resources:
         mem_mb=rule_mem_mb("regress_out"),
+        gpu=rule_gpus("regress_out"),
         runtime=rule_runtime("regress_out"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("regress_out")
     script:
         "../../scripts/regress_out.py"
 
@@ -88,9 +91,10 @@ rule scale:
     threads: rule_threads("scale")
     resources:
         mem_mb=rule_mem_mb("scale"),
+        gpu=rule_gpus("scale"),
         runtime=rule_runtime("scale"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("scale")
     script:
         "../../scripts/scale.py"
 
@@ -111,9 +115,10 @@ rule pca:
     threads: rule_threads("pca")
     resources:
         mem_mb=rule_mem_mb("pca"),
+        gpu=rule_gpus("pca"),
         runtime=rule_runtime("pca"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("pca")
     script:
         "../../scripts/pca.py"
 
@@ -137,8 +142,9 @@ rule score_genes:
     threads: rule_threads("score_genes")
     resources:
         mem_mb=rule_mem_mb("score_genes"),
+        gpu=rule_gpus("score_genes"),
         runtime=rule_runtime("score_genes"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("score_genes")
     script:
         "../../scripts/score_genes.py"

@@ -19,9 +19,10 @@ rule neighbors:
     threads: rule_threads("neighbors")
     resources:
         mem_mb=rule_mem_mb("neighbors"),
+        gpu=rule_gpus("neighbors"),
         runtime=rule_runtime("neighbors"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("neighbors")
     script:
         "../../scripts/neighbors.py"
 
@@ -41,9 +42,10 @@ rule leiden:
     threads: rule_threads("leiden")
     resources:
         mem_mb=rule_mem_mb("leiden"),
+        gpu=rule_gpus("leiden"),
         runtime=rule_runtime("leiden"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("leiden")
     script:
         "../../scripts/leiden.py"
 
@@ -63,9 +65,10 @@ rule umap:
     threads: rule_threads("umap")
     resources:
         mem_mb=rule_mem_mb("umap"),
+        gpu=rule_gpus("umap"),
         runtime=rule_runtime("umap"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("umap")
     script:
         "../../scripts/umap.py"
 
@@ -85,8 +88,9 @@ rule louvain:
     threads: rule_threads("louvain")
     resources:
         mem_mb=rule_mem_mb("louvain"),
+        gpu=rule_gpus("louvain"),
         runtime=rule_runtime("louvain"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("louvain")
     script:
         "../../scripts/louvain.py"

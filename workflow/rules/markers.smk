@@ -22,9 +22,10 @@ rule rank_genes_groups:
     threads: rule_threads("rank_genes_groups")
     resources:
         mem_mb=rule_mem_mb("rank_genes_groups"),
+        gpu=rule_gpus("rank_genes_groups"),
         runtime=rule_runtime("rank_genes_groups"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("rank_genes_groups")
     script:
         "../../scripts/rank_genes_groups.py"
 
@@ -46,8 +47,9 @@ rule aggregate:
     threads: rule_threads("aggregate")
     resources:
         mem_mb=rule_mem_mb("aggregate"),
+        gpu=rule_gpus("aggregate"),
         runtime=rule_runtime("aggregate"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("aggregate")
     script:
         "../../scripts/aggregate.py"

@@ -20,9 +20,10 @@ rule qc:
     threads: rule_threads("qc")
     resources:
         mem_mb=rule_mem_mb("qc"),
+        gpu=rule_gpus("qc"),
         runtime=rule_runtime("qc"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("qc")
     script:
         "../../scripts/qc.py"
 
@@ -43,9 +44,10 @@ rule filter:
     threads: rule_threads("filter")
     resources:
         mem_mb=rule_mem_mb("filter"),
+        gpu=rule_gpus("filter"),
         runtime=rule_runtime("filter"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("filter")
     script:
         "../../scripts/filter.py"
 
@@ -65,9 +67,10 @@ rule normalize:
     threads: rule_threads("normalize")
     resources:
         mem_mb=rule_mem_mb("normalize"),
+        gpu=rule_gpus("normalize"),
         runtime=rule_runtime("normalize"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("normalize")
     script:
         "../../scripts/normalize.py"
 
@@ -87,8 +90,9 @@ rule log1p:
     threads: rule_threads("log1p")
     resources:
         mem_mb=rule_mem_mb("log1p"),
+        gpu=rule_gpus("log1p"),
         runtime=rule_runtime("log1p"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("log1p")
     script:
         "../../scripts/log1p.py"
