@@ -15,6 +15,7 @@ script runs under Snakemake's ``script:`` directive, from the ``snakemake`` obje
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -177,29 +178,34 @@ def _absolute_paths(args) -> None:
 
 
 def _run_with_cluster(stage: ModuleType, args) -> dict:
-    if not getattr(stage, "NEEDS_CLUSTER", True):
-        result = stage.run(args, None)
-        return {**result, "peak_memory": peak_memory(None), "ran_on": where_it_ran(None)}
     from atlasflow.cluster import connect, validate_backend
 
     backend = validate_backend(args.backend)
+    args.backend = backend
+    if not getattr(stage, "NEEDS_CLUSTER", True):  # the graph stages: in-memory arrays, on the GPU or not
+        with _gpu_errors(args):
+            result = stage.run(args, None)
+        return {**result, "peak_memory": peak_memory(None), "ran_on": where_it_ran(None)}
     with connect(
         scheduler_file=args.scheduler_file, address=args.address, n_workers=args.n_workers,
         memory_limit=args.memory_limit, backend=backend, gpu_preset=args.gpu_preset,
     ) as client:
-        args.backend = backend
         from atlasflow import store
 
         store.DEFAULT_BACKEND = backend  # every store the stage opens lands on this backend
         log.info("Dask dashboard: %s", client.dashboard_link)
-        if backend == "gpu":  # a CUDA out-of-memory error becomes one line with what to change
-            from atlasflow.gpu import oom_guard
-
-            with oom_guard(chunk_rows=args.chunk_rows, preset=args.gpu_preset):
-                result = stage.run(args, client)
-        else:
+        with _gpu_errors(args):
             result = stage.run(args, client)
         return {**result, "peak_memory": peak_memory(client), "ran_on": where_it_ran(client)}
+
+
+def _gpu_errors(args):
+    """On the GPU backend, a CUDA out-of-memory error becomes one line with what to change."""
+    if args.backend != "gpu":
+        return contextlib.nullcontext()
+    from atlasflow.gpu import oom_guard
+
+    return oom_guard(chunk_rows=args.chunk_rows, preset=args.gpu_preset)
 
 
 def _one_line(summary: dict) -> str:

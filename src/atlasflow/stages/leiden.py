@@ -1,7 +1,8 @@
 """leiden stage: Leiden clustering of the neighbourhood graph (scanpy.tl.leiden); needs no Dask cluster.
 
 Reads the graph (obsp/uns) of the input store; X is linked. Adds ``obs[key_added]`` for ``resolution``
-and ``obs[key_added + '_r<res>']`` for each of ``resolutions``, with ``uns[<key>]['params']``.
+and ``obs[key_added + '_r<res>']`` for each of ``resolutions``, with ``uns[<key>]['params']``. With
+``--backend gpu``, cuGraph clusters where it is installed (the CPU otherwise; the log says which).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from atlasflow.errors import ConfigError
 from atlasflow.stages._common import json_arg, shape_summary
 from atlasflow.stages.neighbors import optional_int, to_int
 from atlasflow.store import open_store, write_store
+from atlasflow.tl._gpu import resolve_backend
 from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
 
 DESCRIPTION = ("Leiden clustering of the neighbors graph (scanpy.tl.leiden): obs['leiden'] (+ one column per "
@@ -70,16 +72,18 @@ def run_clustering(args, algorithm: str, cluster, **options) -> dict:
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
     resolutions = to_floats(args.resolutions, "resolutions")
     restrict_to = json_arg(args.restrict_to)
+    backend = resolve_backend(getattr(args, "backend", "cpu"))
     cluster(
         adata, args.resolution, resolutions=resolutions, restrict_to=restrict_to,
         random_state=optional_int(args.random_state), key_added=args.key_added, neighbors_key=args.neighbors_key,
-        obsp=args.obsp, **options,
+        obsp=args.obsp, backend=backend, **options,
     )
     keys = output_keys(algorithm, args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
                        resolutions=resolutions)
     write_store(adata, args.output, chunk_rows=args.chunk_rows,
                 provenance={"stage": algorithm, "keys": keys, "flavor": options["flavor"]})
-    return {**shape_summary(adata, adata), "flavor": options["flavor"], **cluster_summary(adata, keys)}
+    return {**shape_summary(adata, adata), "flavor": options["flavor"], "backend": backend,
+            **cluster_summary(adata, keys)}
 
 
 def cluster_summary(adata, keys: list[str]) -> dict:

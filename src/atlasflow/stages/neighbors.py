@@ -1,7 +1,8 @@
 """neighbors stage: kNN graph of the PCA embedding (scanpy.pp.neighbors); needs no Dask cluster.
 
 Reads only ``obsm[use_rep]`` (X_pca by default) of the input store; X and layers are linked into the
-output, which gains ``obsp['distances']``, ``obsp['connectivities']`` and ``uns['neighbors']``.
+output, which gains ``obsp['distances']``, ``obsp['connectivities']`` and ``uns['neighbors']``. With
+``--backend gpu`` the search runs on the GPU (:mod:`atlasflow.tl._gpu`), the rest as on the CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from atlasflow.errors import ConfigError
 from atlasflow.stages._common import json_arg, shape_summary
 from atlasflow.store import open_store, write_store
+from atlasflow.tl._gpu import knn_engine, resolve_backend
 from atlasflow.tl.neighbors import KNN_METHODS, METHODS, choose_knn_method, neighbors
 
 DESCRIPTION = ("kNN graph on obsm['X_pca'] (scanpy.pp.neighbors): obsp['distances'/'connectivities'], "
@@ -47,7 +49,8 @@ def add_arguments(p):
                    help="use the first n_pcs columns of the embedding; none: all")
     p.add_argument("--use-rep", dest="use_rep", default=None, help="obsm key of the embedding; none: X_pca")
     p.add_argument("--knn-method", dest="knn_method", choices=KNN_METHODS, default="auto",
-                   help="exact (brute force) or pynndescent; auto: exact below 8192 cells (euclidean), as scanpy")
+                   help="exact (brute force) or pynndescent; auto: exact below 8192 cells (euclidean), as scanpy; "
+                        "with --backend gpu, auto and exact search exactly on the GPU (cuML, else CuPy)")
     p.add_argument("--method", choices=METHODS, default="umap",
                    help="connectivities: UMAP fuzzy simplicial set or Gaussian kernel")
     p.add_argument("--metric", default="euclidean", help="distance metric (sklearn/pynndescent name)")
@@ -68,12 +71,13 @@ def run(args, client) -> dict:
     metric_kwds = json_arg(args.metric_kwds) or {}
     if not isinstance(metric_kwds, dict):
         raise ConfigError(f"metric_kwds must be a JSON object, not {metric_kwds!r}")
-    used = choose_knn_method(adata.n_obs, args.metric, args.knn_method)
+    backend = resolve_backend(getattr(args, "backend", "cpu"))
+    used = choose_knn_method(adata.n_obs, args.metric, args.knn_method, backend=backend, metric_kwds=metric_kwds)
     t0 = time.time()
     neighbors(
         adata, n_neighbors, n_pcs, use_rep=args.use_rep, knn_method=args.knn_method, method=args.method,
         metric=args.metric, metric_kwds=metric_kwds, random_state=optional_int(args.random_state),
-        key_added=args.key_added, n_jobs=optional_int(args.n_jobs),
+        key_added=args.key_added, n_jobs=optional_int(args.n_jobs), backend=backend,
     )
     graph_seconds = time.time() - t0
     key = args.key_added or "neighbors"
@@ -89,6 +93,8 @@ def run(args, client) -> dict:
     return {
         **shape_summary(adata, adata),
         "knn_method": used,
+        **({"knn_engine": knn_engine()} if used == "gpu" else {}),
+        "backend": backend,
         "n_neighbors": n_neighbors,
         "n_dims": int(n_pcs if n_pcs is not None else np.shape(emb)[1]),
         "method": args.method,

@@ -1,7 +1,8 @@
 """umap stage: UMAP layout of the neighbourhood graph (scanpy.tl.umap); needs no Dask cluster.
 
 Reads the graph (obsp/uns) and the embedding it was built on from the input store; X is linked. Adds
-``obsm['X_umap']`` and ``uns['umap']['params']``.
+``obsm['X_umap']`` and ``uns['umap']['params']``. With ``--backend gpu``, cuML lays it out where it is
+installed (umap-learn on the CPU otherwise; the log says which).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from atlasflow.stages._common import optional_float, shape_summary
 from atlasflow.stages.neighbors import optional_int, to_int
 from atlasflow.store import open_store, write_store
+from atlasflow.tl._gpu import resolve_backend
 from atlasflow.tl.umap import umap
 
 DESCRIPTION = "UMAP of the neighbors graph (scanpy.tl.umap): obsm['X_umap'], uns['umap']; X is linked, not copied."
@@ -43,6 +45,7 @@ def add_arguments(p):
 
 def run(args, client) -> dict:
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    backend = resolve_backend(getattr(args, "backend", "cpu"))
     umap(
         adata, min_dist=float(args.min_dist), spread=float(args.spread),
         n_components=to_int(args.n_components, "n_components"), maxiter=optional_int(args.maxiter),
@@ -50,6 +53,7 @@ def run(args, client) -> dict:
         negative_sample_rate=to_int(args.negative_sample_rate, "negative_sample_rate"), init_pos=args.init_pos,
         random_state=optional_int(args.random_state), a=optional_float(args.a), b=optional_float(args.b),
         key_added=args.key_added, neighbors_key=args.neighbors_key, parallel=bool(args.parallel),
+        backend=backend,
     )
     key_obsm, key_uns = ("X_umap", "umap") if args.key_added is None else (args.key_added, args.key_added)
     write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "umap"})
@@ -57,6 +61,7 @@ def run(args, client) -> dict:
     params = adata.uns[key_uns]["params"]
     return {
         **shape_summary(adata, adata),
+        "backend": backend,
         "a": float(params["a"]), "b": float(params["b"]),
         "extent": [[float(v) for v in emb.min(axis=0)], [float(v) for v in emb.max(axis=0)]],
     }

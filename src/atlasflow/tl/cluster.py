@@ -203,6 +203,25 @@ def output_keys(algorithm: str, key_added: str, *, restricted: bool = False,
 # clustering
 
 
+def _use_cugraph(algorithm: str, backend: str, flavor: str, gpu_flavor: str, extra_args) -> bool:
+    """Whether this clustering runs on cuGraph; logs one line saying where it runs when the backend is gpu."""
+    from atlasflow.tl import _gpu
+
+    if _gpu.check_backend(backend) != "gpu":
+        return False
+    if flavor != gpu_flavor:
+        log.info("%s: flavor %r runs on the CPU (cuGraph stands in for flavor %r only)", algorithm, flavor, gpu_flavor)
+        return False
+    if extra_args:
+        log.info("%s: options %s are igraph's: clustering on the CPU", algorithm, sorted(extra_args))
+        return False
+    if not _gpu.cugraph_available():
+        log.info("%s: on the CPU (%s; cuGraph is not installed)", algorithm, flavor)
+        return False
+    log.info("%s: cuGraph on the GPU", algorithm)
+    return True
+
+
 def _run(
     adata, *, algorithm: str, resolution, resolutions, restrict_to, key_added, adjacency, obsp, neighbors_key,
     partition, params_of,
@@ -247,6 +266,7 @@ def leiden(
     neighbors_key: str | None = None,
     obsp: str | None = None,
     flavor: str = "igraph",
+    backend: str = "cpu",
     copy: bool = False,
     **clustering_args: Any,
 ) -> ad.AnnData | None:
@@ -256,8 +276,11 @@ def leiden(
     'leidenalg': ``leidenalg.find_partition`` with RBConfigurationVertexPartition (directed unless
     ``directed=False``, as scanpy). ``resolutions`` adds one column per value (``{key_added}_r<res>``).
     ``uns[key]['params']`` holds resolution, random_state and n_iterations, as scanpy.
+    ``backend='gpu'``: flavor 'igraph' runs as cuGraph's Leiden where cuGraph is installed (another
+    implementation: partitions of the same quality, not the same labels), else on the CPU (logged).
     """
     adata = adata.copy() if copy else adata
+    on_gpu = _use_cugraph("leiden", backend, flavor, "igraph", clustering_args)
     if flavor not in LEIDEN_FLAVORS:
         raise ConfigError(f"flavor must be one of {', '.join(LEIDEN_FLAVORS)}, not {flavor!r}")
     resolution = _check_resolution(resolution)
@@ -277,6 +300,11 @@ def leiden(
         directed = True if directed is None else bool(directed)
 
     def partition(adj, res, cache):
+        if on_gpu:
+            from atlasflow.tl._gpu import cugraph_partition
+
+            return cugraph_partition(adj, "leiden", resolution=res, random_state=random_state,
+                                     max_iter=n_iterations if n_iterations > 0 else 100, use_weights=use_weights)
         if "g" not in cache:
             cache["g"] = igraph_from_adjacency(adj, directed=directed)
         g = cache["g"]
@@ -315,6 +343,7 @@ def louvain(
     partition_kwargs: Mapping[str, Any] = MappingProxyType({}),
     neighbors_key: str | None = None,
     obsp: str | None = None,
+    backend: str = "cpu",
     copy: bool = False,
 ) -> ad.AnnData | None:
     """Louvain clustering (scanpy.tl.louvain): ``obs[key_added]`` categorical '0', '1', ... by size.
@@ -322,9 +351,11 @@ def louvain(
     flavor 'igraph' (default here: the louvain package is optional): ``Graph.community_multilevel`` on
     the undirected graph, seeded and with ``resolution`` (default 1); 'vtraag': the louvain package with
     RBConfigurationVertexPartition on the directed graph, as scanpy's default. ``use_weights`` defaults to
-    False, as in scanpy. ``uns[key]['params']`` holds resolution and random_state.
+    False, as in scanpy. ``uns[key]['params']`` holds resolution and random_state. ``backend='gpu'``: flavor
+    'igraph' runs as cuGraph's Louvain where cuGraph is installed, else on the CPU (logged).
     """
     adata = adata.copy() if copy else adata
+    on_gpu = _use_cugraph("louvain", backend, flavor, "igraph", partition_kwargs)
     if flavor not in LOUVAIN_FLAVORS:
         raise ConfigError(f"flavor must be one of {', '.join(LOUVAIN_FLAVORS)}, not {flavor!r}")
     if resolution is not None:
@@ -340,6 +371,11 @@ def louvain(
         directed = False
 
     def partition(adj, res, cache):
+        if on_gpu:
+            from atlasflow.tl._gpu import cugraph_partition
+
+            return cugraph_partition(adj, "louvain", resolution=1.0 if res is None else res,
+                                     random_state=random_state, max_iter=100, use_weights=use_weights)
         if "g" not in cache:
             cache["g"] = igraph_from_adjacency(adj, directed=directed)
         g = cache["g"]

@@ -37,10 +37,24 @@ MIN_SEARCH_NEIGHBORS = 16
 METHODS = ("umap", "gauss")
 
 
-def choose_knn_method(n_obs: int, metric: str = "euclidean", knn_method: str = "auto") -> str:
-    """'exact' or 'pynndescent': scanpy's rule for ``auto`` (exact below 8192 cells for euclidean, 4096 else)."""
+def choose_knn_method(n_obs: int, metric: str = "euclidean", knn_method: str = "auto", *, backend: str = "cpu",
+                      metric_kwds: Mapping[str, Any] | None = None) -> str:
+    """'exact', 'pynndescent' or 'gpu' (exact search on the GPU).
+
+    On the CPU, scanpy's rule for ``auto``: exact below 8192 cells for euclidean (4096 for other metrics),
+    pynndescent above. With ``backend='gpu'``, ``auto`` and ``exact`` search exactly on the GPU for any
+    number of cells (a brute-force GEMM is fast there) when the metric allows (:mod:`atlasflow.tl._gpu`);
+    ``pynndescent`` stays on the CPU, as asked.
+    """
     if knn_method not in KNN_METHODS:
         raise ConfigError(f"knn_method must be one of {', '.join(KNN_METHODS)}, not {knn_method!r}")
+    if backend == "gpu" and knn_method != "pynndescent":
+        from atlasflow.tl import _gpu
+
+        if _gpu.knn_supported(metric, metric_kwds):
+            return "gpu"
+        log.info("neighbors: metric %r%s is not supported on the GPU (%s): the search runs on the CPU", metric,
+                 " with metric_kwds" if metric_kwds else "", ", ".join(_gpu.KNN_METRICS))
     if knn_method != "auto":
         return knn_method
     small = (metric == "euclidean" and n_obs < EXACT_MAX_CELLS_EUCLIDEAN) or n_obs < EXACT_MAX_CELLS
@@ -103,6 +117,7 @@ def knn(
     metric_kwds: Mapping[str, Any] = MappingProxyType({}),
     random_state: int = 0,
     n_jobs: int | None = 1,
+    backend: str = "cpu",
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """``n_neighbors`` nearest points of every row of ``x``, the point itself first.
 
@@ -111,14 +126,19 @@ def knn(
     results are scanpy's; the distance of a point to itself is set to 0, as scanpy does (it enters UMAP's
     rho, and brute force gives ~1e-7). pynndescent's result depends on its thread count: ``n_jobs=1``
     (scanpy's default too) makes it independent of the machine and equal to scanpy's; more threads are
-    faster but give another (equally good) approximate graph per thread count.
+    faster but give another (equally good) approximate graph per thread count. ``backend='gpu'``: the
+    exact search runs on the GPU where the metric allows (method 'gpu'; see :func:`choose_knn_method`).
     """
     n = x.shape[0]
-    method = choose_knn_method(n, metric, knn_method)
+    method = choose_knn_method(n, metric, knn_method, backend=backend, metric_kwds=metric_kwds)
     k_search = min(n_neighbors + 1, n)
     if method == "pynndescent":
         k_search = min(max(k_search, MIN_SEARCH_NEIGHBORS), n)
-    if method == "exact":
+    if method == "gpu":
+        from atlasflow.tl import _gpu
+
+        ind, dist = _gpu.knn(x, k_search, metric)
+    elif method == "exact":
         from sklearn.neighbors import NearestNeighbors
 
         nn = NearestNeighbors(
@@ -254,6 +274,7 @@ def neighbors(
     random_state: int = 0,
     key_added: str | None = None,
     n_jobs: int | None = 1,
+    backend: str = "cpu",
     copy: bool = False,
 ) -> ad.AnnData | None:
     """Neighbourhood graph of the cells on ``obsm[use_rep]`` (scanpy.pp.neighbors, knn=True).
@@ -263,8 +284,13 @@ def neighbors(
     ``knn_method``: 'auto' (exact below 8192 cells for euclidean, pynndescent above, as scanpy),
     'exact' or 'pynndescent'. ``n_jobs``: threads of the search; with pynndescent the approximate graph
     depends on it, so the default 1 keeps results independent of the machine (and equal to scanpy's).
+    ``backend``: 'gpu' searches exactly on the GPU (cuML, else CuPy; ``auto`` where one is seen); the
+    connectivities are computed on the CPU either way (umap-learn's, bit for bit scanpy's).
     """
+    from atlasflow.tl._gpu import check_backend
+
     adata = adata.copy() if copy else adata
+    backend = check_backend(backend)
     if method not in METHODS:
         raise ConfigError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
     n_neighbors = int(n_neighbors)
@@ -276,7 +302,7 @@ def neighbors(
     x = representation(adata, use_rep, n_pcs)
     ind, dist, used = knn(
         x, n_neighbors, knn_method=knn_method, metric=metric, metric_kwds=metric_kwds,
-        random_state=random_state, n_jobs=n_jobs,
+        random_state=random_state, n_jobs=n_jobs, backend=backend,
     )
     log.info("neighbors: %d cells, %d neighbours on %d dims (%s search)", n_obs, n_neighbors, x.shape[1], used)
     distances = distance_matrix(ind, dist)

@@ -1,0 +1,254 @@
+"""Where the graph stages run with ``backend: gpu``, and the glue to cuML / cuGraph, without a GPU.
+
+The engines themselves run in tests/gpu. Here, on the CPU: the choice of search (``choose_knn_method``),
+the one log line that says where each step ran, the one-line error when no GPU is there, and our code
+around cuML's and cuGraph's documented calls, driven through stand-ins with the same contract (cuML's
+``NearestNeighbors`` returns (distances, indices) with each point first among its own neighbours;
+cuGraph returns (vertex, partition) rows in its own order and leaves out vertices without edges).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import types
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+
+from atlasflow import gpu
+from atlasflow.tl import _gpu, leiden, louvain, neighbors, umap
+from atlasflow.tl.neighbors import choose_knn_method
+
+
+def _embedding(n=400, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0, 5, (4, d))
+    return (centers[rng.integers(0, 4, n)] + rng.normal(0, 1, (n, d))).astype(np.float32)
+
+
+@pytest.fixture
+def graph_adata():
+    a = ad.AnnData(obs=pd.DataFrame(index=[f"c{i}" for i in range(400)]))
+    a.obsm["X_pca"] = _embedding()
+    neighbors(a, 15)
+    return a
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """The graph functions believe the backend resolved to a GPU (nothing here can use one)."""
+    monkeypatch.setattr(_gpu, "check_backend", lambda backend: "gpu")
+
+
+def test_importing_the_graph_engines_does_not_import_cupy_cuml_or_cugraph():
+    code = ("import sys, atlasflow.tl, atlasflow.tl._gpu, atlasflow.stages.neighbors, atlasflow.stages.leiden, "
+            "atlasflow.stages.umap; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('cupy', 'cupyx', 'cuml', 'cugraph', 'cudf')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------- choice of search
+
+
+@pytest.mark.parametrize("n, metric, method, kwds, expected", [
+    (1000, "euclidean", "auto", None, "gpu"),
+    (500_000, "euclidean", "auto", None, "gpu"),  # exact at any size: the GPU's GEMM is fast
+    (1000, "cosine", "exact", None, "gpu"),
+    (500_000, "euclidean", "pynndescent", None, "pynndescent"),  # asked for: stays on the CPU
+    (1000, "manhattan", "auto", None, "exact"),  # not a GPU metric: scanpy's CPU rule
+    (500_000, "manhattan", "auto", None, "pynndescent"),
+    (1000, "euclidean", "auto", {"p": 3}, "exact"),
+])
+def test_gpu_search_choice(n, metric, method, kwds, expected):
+    assert choose_knn_method(n, metric, method, backend="gpu", metric_kwds=kwds) == expected
+    assert choose_knn_method(n, metric, method) != "gpu"  # the CPU never picks it
+
+
+def test_unsupported_metric_on_the_gpu_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="atlasflow"):
+        choose_knn_method(1000, "manhattan", backend="gpu")
+    assert any("not supported on the GPU" in r.getMessage() for r in caplog.records)
+
+
+def test_gpu_backend_without_a_gpu_is_one_line(monkeypatch, graph_adata):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(gpu.GpuUnavailableError, match="backend gpu needs CuPy") as err:
+        neighbors(graph_adata, 10, backend="gpu")
+    assert "\n" not in str(err.value)
+
+
+def test_neighbors_stage_with_gpu_backend_fails_cleanly_without_a_gpu(tmp_path, graph_adata):
+    """The stage script, as the workflow runs it: exit 1, one line on stderr, no output store."""
+    from atlasflow.store import write_store
+
+    src = tmp_path / "pca.zarr"
+    write_store(graph_adata, src)
+    out = tmp_path / "neighbors.zarr"
+    code = "import sys; sys.modules['cupy'] = None; from atlasflow.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "neighbors", "--input", str(src), "--output", str(out),
+                           "--backend", "gpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("atlasflow neighbors: error:") and "CuPy" in last, proc.stderr
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------- cuML's kNN
+
+
+class _FakeNearestNeighbors:
+    """cuML's contract on host input: fit(X); kneighbors(X) -> (distances, indices), self included, ties in
+    any order (reversed here, to check that the glue orders them)."""
+
+    def __init__(self, *, n_neighbors, algorithm, metric, output_type):
+        assert algorithm == "brute" and output_type == "numpy"
+        self.k, self.metric = n_neighbors, metric
+
+    def fit(self, x):
+        self.x = np.asarray(x)
+        return self
+
+    def kneighbors(self, x):
+        from sklearn.neighbors import NearestNeighbors
+
+        d, i = NearestNeighbors(n_neighbors=self.k, algorithm="brute", metric=self.metric).fit(self.x).kneighbors(x)
+        return d.astype(np.float32)[:, ::-1].copy(), i[:, ::-1].copy()
+
+
+@pytest.fixture
+def fake_cuml(monkeypatch):
+    cuml = types.ModuleType("cuml")
+    nbrs = types.ModuleType("cuml.neighbors")
+    nbrs.NearestNeighbors = _FakeNearestNeighbors
+    cuml.neighbors = nbrs
+    monkeypatch.setitem(sys.modules, "cuml", cuml)
+    monkeypatch.setitem(sys.modules, "cuml.neighbors", nbrs)
+    monkeypatch.setattr(gpu, "cuml_available", lambda: True)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine"])
+def test_cuml_knn_glue_gives_the_exact_cpu_graph(fake_cuml, pretend_gpu, metric, caplog):
+    x = _embedding()
+    cpu = ad.AnnData(obs=pd.DataFrame(index=[f"c{i}" for i in range(x.shape[0])]), obsm={"X_pca": x})
+    on_gpu = cpu.copy()
+    neighbors(cpu, 15, knn_method="exact", metric=metric)
+    with caplog.at_level(logging.INFO, logger="atlasflow"):
+        neighbors(on_gpu, 15, metric=metric, backend="gpu")
+    assert any("on the GPU (cuML brute force)" in r.getMessage() for r in caplog.records)
+    d_cpu, d_gpu = cpu.obsp["distances"], on_gpu.obsp["distances"]
+    assert d_gpu.dtype == d_cpu.dtype == np.float32
+    np.testing.assert_array_equal(d_gpu.indices, d_cpu.indices)
+    np.testing.assert_allclose(d_gpu.data, d_cpu.data, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(on_gpu.obsp["connectivities"].toarray(), cpu.obsp["connectivities"].toarray(),
+                               rtol=1e-4, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------------- cuGraph's Leiden
+
+
+class _FakeFrame:
+    def __init__(self, columns: dict):
+        self._df = pd.DataFrame(columns)
+
+    def __getitem__(self, key):
+        return self._df[key]
+
+    def to_pandas(self):
+        return self._df
+
+
+class _FakeGraph:
+    def __init__(self, directed=False):
+        assert directed is False
+
+    def from_cudf_edgelist(self, frame, *, source, destination, weight, renumber):
+        df = frame.to_pandas()
+        self.edges = (df[source].to_numpy(), df[destination].to_numpy(), df[weight].to_numpy())
+
+
+def _fake_partition(algorithm):
+    """igraph on the edges, answered as cuGraph does: only vertices with edges, in a shuffled order."""
+
+    def run(g, *, resolution, **kw):
+        import igraph as ig
+
+        src, dst, w = g.edges
+        present = np.unique(np.concatenate([src, dst]))
+        remap = {v: i for i, v in enumerate(present)}
+        h = ig.Graph(n=present.size, edges=[(remap[a], remap[b]) for a, b in zip(src, dst, strict=True) if a < b])
+        h.es["weight"] = [float(x) for a, b, x in zip(src, dst, w, strict=True) if a < b]
+        run.calls.append((algorithm, resolution, kw))
+        member = h.community_multilevel(weights="weight", resolution=resolution).membership
+        order = np.random.default_rng(1).permutation(present.size)
+        return _FakeFrame({"vertex": present[order], "partition": np.asarray(member)[order]}), 0.5
+
+    run.calls = []
+    return run
+
+
+@pytest.fixture
+def fake_cugraph(monkeypatch):
+    cudf = types.ModuleType("cudf")
+    cudf.DataFrame = _FakeFrame
+    cugraph = types.ModuleType("cugraph")
+    cugraph.Graph = _FakeGraph
+    cugraph.leiden = _fake_partition("leiden")
+    cugraph.louvain = _fake_partition("louvain")
+    monkeypatch.setitem(sys.modules, "cudf", cudf)
+    monkeypatch.setitem(sys.modules, "cugraph", cugraph)
+    monkeypatch.setattr(gpu, "cugraph_available", lambda: True)
+    return cugraph
+
+
+def test_cugraph_glue_puts_labels_in_vertex_order_and_keeps_lonely_cells(fake_cugraph):
+    """Two cliques and one cell with no edge: labels follow the vertices, the lonely cell gets its own."""
+    block = np.ones((4, 4)) - np.eye(4)
+    adj = sp.csr_matrix(sp.block_diag([block, block, np.zeros((1, 1))]))
+    member = _gpu.cugraph_partition(adj, "leiden", resolution=1.0, random_state=0, max_iter=2, use_weights=True)
+    assert member.shape == (9,)
+    assert len(set(member[:4])) == 1 and len(set(member[4:8])) == 1 and member[0] != member[4]
+    assert member[8] not in member[:8]
+    assert fake_cugraph.leiden.calls == [("leiden", 1.0, {"max_iter": 2, "random_state": 0})]
+
+
+def test_leiden_and_louvain_on_cugraph(graph_adata, fake_cugraph, pretend_gpu, caplog):
+    with caplog.at_level(logging.INFO, logger="atlasflow"):
+        leiden(graph_adata, 0.5, backend="gpu", n_iterations=-1)
+        louvain(graph_adata, backend="gpu")
+    assert sum("cuGraph on the GPU" in r.getMessage() for r in caplog.records) == 2
+    assert fake_cugraph.leiden.calls[0][2]["max_iter"] == 100  # -1 (until stable): cuGraph's default cap
+    assert fake_cugraph.louvain.calls[0][2] == {"max_level": 100}
+    for key in ("leiden", "louvain"):
+        labels = graph_adata.obs[key]
+        assert list(labels.cat.categories) == [str(i) for i in range(labels.cat.categories.size)]
+        sizes = labels.value_counts(sort=False).to_numpy()
+        assert (np.diff(sizes) <= 0).all()  # '0' is the largest cluster, as on the CPU
+        assert graph_adata.uns[key]["params"]["resolution"] == (0.5 if key == "leiden" else None)
+
+
+def test_without_cugraph_clustering_runs_on_the_cpu_and_says_so(graph_adata, pretend_gpu, monkeypatch, caplog):
+    monkeypatch.setattr(gpu, "cugraph_available", lambda: False)
+    ref = graph_adata.copy()
+    leiden(ref, 1.0)
+    with caplog.at_level(logging.INFO, logger="atlasflow"):
+        leiden(graph_adata, 1.0, backend="gpu")
+        leiden(graph_adata, 1.0, backend="gpu", flavor="leidenalg", key_added="alg")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("leiden: on the CPU (igraph; cuGraph is not installed)" in m for m in messages), messages
+    assert any("flavor 'leidenalg' runs on the CPU" in m for m in messages), messages
+    pd.testing.assert_series_equal(graph_adata.obs["leiden"], ref.obs["leiden"])
+
+
+def test_umap_without_cuml_runs_umap_learn_and_says_so(graph_adata, pretend_gpu, monkeypatch, caplog):
+    monkeypatch.setattr(gpu, "cuml_available", lambda: False)
+    ref = graph_adata.copy()
+    umap(ref, maxiter=20)
+    with caplog.at_level(logging.INFO, logger="atlasflow"):
+        umap(graph_adata, maxiter=20, backend="gpu")
+    assert any("umap: layout on the CPU (umap-learn; cuML is not installed)" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(graph_adata.obsm["X_umap"], ref.obsm["X_umap"])
