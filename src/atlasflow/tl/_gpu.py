@@ -62,10 +62,7 @@ def knn_engine() -> str:
 
 
 def knn(x: np.ndarray, k: int, metric: str = "euclidean") -> tuple[np.ndarray, np.ndarray]:
-    """Exact ``k`` nearest neighbours of every row of ``x`` on the GPU: host (indices int64, distances).
-
-    Distances have the embedding's float dtype (float32 for X_pca), as the CPU search returns them.
-    """
+    """Exact ``k`` nearest neighbours of every row of ``x`` on the GPU: host (indices int64, distances float64)."""
     x = np.ascontiguousarray(x)
     engine = knn_engine()
     if engine == "cuML":
@@ -74,8 +71,7 @@ def knn(x: np.ndarray, k: int, metric: str = "euclidean") -> tuple[np.ndarray, n
         ind, dist = gpu.knn_gpu(x, k, metric)
     log.info("neighbors: exact kNN of %d cells on the GPU (%s brute force%s)", x.shape[0], engine,
              "" if engine == "cuML" else "; cuML is not installed")
-    out_dtype = x.dtype if x.dtype.kind == "f" else np.float32
-    return np.asarray(ind, dtype=np.int64), np.asarray(dist, dtype=out_dtype)
+    return np.asarray(ind, dtype=np.int64), np.asarray(dist, dtype=np.float64)
 
 
 def _knn_cuml(x: np.ndarray, k: int, metric: str) -> tuple[np.ndarray, np.ndarray]:

@@ -138,6 +138,7 @@ def knn(
         from atlasflow.tl import _gpu
 
         ind, dist = _gpu.knn(x, k_search, metric)
+        dist = dist.astype(_exact_dtype(x, metric), copy=False)
     elif method == "exact":
         from sklearn.neighbors import NearestNeighbors
 
@@ -162,6 +163,15 @@ def knn(
     ind, dist = ind[:, :n_neighbors].copy(), dist[:, :n_neighbors].copy()
     dist[:, 0] = 0  # a point is at distance 0 from itself (brute force may give ~1e-7): scanpy zeroes it too
     return ind, dist, method
+
+
+def _exact_dtype(x: np.ndarray, metric: str) -> np.dtype:
+    """dtype of the distances of the CPU's exact search (scikit-learn's: float64 for euclidean on float32
+    input, float32 for cosine), so that the GPU search stores the same ``obsp['distances']`` dtype."""
+    from sklearn.neighbors import NearestNeighbors
+
+    probe = np.asarray(x[: min(3, x.shape[0])])
+    return NearestNeighbors(n_neighbors=1, algorithm="brute", metric=metric).fit(probe).kneighbors(probe)[0].dtype
 
 
 def _self_first(ind: np.ndarray, dist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
