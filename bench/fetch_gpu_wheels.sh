@@ -6,7 +6,8 @@
 # cuda-core, nvidia-ml-py, pytest and the small pure-Python helpers (click, cloudpickle, fsspec, toolz,
 # msgpack, psutil, pyyaml, jinja2, sortedcontainers, ...): see /work/.library/device/KINDS.md. Missing:
 # Dask + distributed (pinned to what dask-cuda 26.10 expects), anndata, zarr, numcodecs, pandas < 3 (anndata
-# 0.12 needs it), dask-cuda and RMM for CUDA 13 (so both presets are checked for real), and their small deps.
+# 0.12 needs it), dask-cuda and RMM for CUDA 13 (so both presets are checked for real), igraph, leidenalg,
+# umap-learn and pynndescent (the graph stages' CPU side; numba and scikit-learn are there), and small deps.
 # Not carried: UCX (libucx alone is 43 MB), so the performance preset is checked over TCP there.
 #
 # Usage: bench/fetch_gpu_wheels.sh            (prints the bundle size; fails above MAX_MIB, default 55)
@@ -28,6 +29,8 @@ WHEELS=(
     pandas==2.3.3 pytz==2026.6 tzdata==2026.6
     # the GPU cluster presets: dask-cuda + RMM (CUDA 13, as the machine's CuPy)
     dask-cuda==26.10.0 rapids-dask-dependency==26.10.0 rmm-cu13==26.10.0 librmm-cu13==26.10.0 rapids-logger==0.3.0
+    # the graph stages' CPU side (connectivities, and Leiden/UMAP where cuGraph/cuML are not carried)
+    igraph==1.0.0 texttable==1.7.2 leidenalg==0.12.0 umap-learn==0.5.12 pynndescent==0.6.0
 )
 
 rm -rf .whl
