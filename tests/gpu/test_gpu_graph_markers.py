@@ -1,4 +1,5 @@
-"""The stages after PCA on the GPU against the CPU: neighbors, Leiden/Louvain, UMAP, rank_genes_groups, aggregate.
+"""The stages after PCA on the GPU against the CPU: neighbors, Leiden/Louvain, UMAP, rank_genes_groups, aggregate,
+and score_genes.
 
 Markers and pseudobulk read X on the GPU (every block a cupyx CSR matrix, checked by spying on the kernel
 that receives the blocks: a GPU test must never pass by running on the CPU) and must give the CPU's
@@ -106,6 +107,18 @@ def test_aggregate_on_the_gpu(lognorm_store, threads, monkeypatch):
     pd.testing.assert_frame_equal(got.obs, ref.obs)
     for f in funcs:
         np.testing.assert_allclose(got.layers[f], ref.layers[f], rtol=1e-9, atol=1e-12, err_msg=f)
+
+
+def test_score_genes_on_the_gpu(lognorm_store, threads, monkeypatch):
+    """score_genes (the workflow's optional stage): both passes over X read cupyx blocks, same scores."""
+    ref = open_on(lognorm_store, "cpu")
+    genes = list(ref.var_names[100:130])
+    pp.score_genes(ref, genes, score_name="s")
+    seen = spy_blocks(monkeypatch, "row_sums_nan_sets")
+    got = open_on(lognorm_store, "gpu")
+    pp.score_genes(got, genes, score_name="s")
+    assert_gpu_blocks(seen, "score_genes")
+    np.testing.assert_allclose(got.obs["s"].to_numpy(), ref.obs["s"].to_numpy(), rtol=1e-9, atol=1e-12)
 
 
 # -------------------------------------------------------------------------------------------- graph
