@@ -252,6 +252,22 @@ def test_oom_guard_gives_one_line_with_the_ways_out():
             raise ValueError("not memory")
 
 
+def test_oom_in_a_graph_stage_names_its_own_ways_out(tmp_path, monkeypatch, capsys):
+    """neighbors/leiden/umap hold their arrays in one process: no chunk_rows or preset advice for them."""
+    from atlasflow.cli import stage_main
+    from atlasflow.stages import neighbors as stage
+
+    def run(args, client):
+        raise OutOfMemoryError("Out of memory allocating 80,000,000,000 bytes (allocated so far: 0 bytes).")
+
+    monkeypatch.setattr(stage, "run", run)
+    rc = stage_main(stage, argv=["--input", str(tmp_path / "in.zarr"), "--output", str(tmp_path / "out.zarr"),
+                                 "--backend", "gpu", "--chunk-rows", "5000"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and "GPU out of memory" in err and gpu.IN_MEMORY_ADVICE in err, err
+    assert "chunk" not in err and "preset" not in err, err
+
+
 # ------------------------------------------------------------------------------------------------- kNN
 
 

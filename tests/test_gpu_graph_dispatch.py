@@ -43,7 +43,7 @@ def graph_adata():
 @pytest.fixture
 def pretend_gpu(monkeypatch):
     """The graph functions believe ``backend='gpu'`` resolved to a GPU (nothing here can use one)."""
-    monkeypatch.setattr(_gpu, "check_backend", lambda backend: "gpu" if backend == "gpu" else "cpu")
+    monkeypatch.setattr(_gpu, "resolve_backend", lambda backend: "gpu" if backend == "gpu" else "cpu")
 
 
 def test_importing_the_graph_stages_does_not_import_cuml_cugraph_or_cudf(tmp_path):
@@ -54,7 +54,7 @@ def test_importing_the_graph_stages_does_not_import_cuml_cugraph_or_cudf(tmp_pat
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"open({str(tmp_path / (name + '.imported'))!r}, 'w').close()\n")
     code = ("import atlasflow.tl, atlasflow.tl._gpu as g, atlasflow.stages.neighbors, atlasflow.stages.leiden, "
-            "atlasflow.stages.louvain, atlasflow.stages.umap; g.knn_supported('euclidean'); g.check_backend('cpu')")
+            "atlasflow.stages.louvain, atlasflow.stages.umap; g.knn_supported('euclidean'); g.resolve_backend('cpu')")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
     assert not list(tmp_path.glob("*.imported"))
@@ -79,10 +79,13 @@ def test_gpu_search_choice(n, metric, method, kwds, expected):
     assert choose_knn_method(n, metric, method) != "gpu"  # the CPU never picks it
 
 
-def test_unsupported_metric_on_the_gpu_is_logged(caplog):
+def test_cpu_search_with_the_gpu_backend_is_logged_once(graph_adata, pretend_gpu, caplog):
     with caplog.at_level(logging.INFO, logger="atlasflow"):
-        choose_knn_method(1000, "manhattan", backend="gpu")
-    assert any("not supported on the GPU" in r.getMessage() for r in caplog.records)
+        neighbors(graph_adata, 10, metric="manhattan", backend="gpu")
+        neighbors(graph_adata, 10, knn_method="pynndescent", backend="gpu", key_added="nnd")
+    lines = [r.getMessage() for r in caplog.records if "search on the CPU" in r.getMessage()]
+    assert lines == ["neighbors: exact search on the CPU (metric 'manhattan' is not one of the GPU's)",
+                     "neighbors: pynndescent search on the CPU (asked for)"], lines
 
 
 def test_gpu_backend_without_a_gpu_is_one_line(monkeypatch, graph_adata):
@@ -219,19 +222,24 @@ def test_cugraph_glue_puts_labels_in_vertex_order_and_keeps_lonely_cells(fake_cu
     """Two cliques and one cell with no edge: labels follow the vertices, the lonely cell gets its own."""
     block = np.ones((4, 4)) - np.eye(4)
     adj = sp.csr_matrix(sp.block_diag([block, block, np.zeros((1, 1))]))
-    member = _gpu.cugraph_partition(adj, "leiden", resolution=1.0, random_state=0, max_iter=2, use_weights=True)
+    member = _gpu.cugraph_partition(adj, "leiden", resolution=1.0, random_state=0, use_weights=True)
     assert member.shape == (9,)
     assert len(set(member[:4])) == 1 and len(set(member[4:8])) == 1 and member[0] != member[4]
     assert member[8] not in member[:8]
-    assert fake_cugraph.leiden.calls == [("leiden", 1.0, {"max_iter": 2, "random_state": 0})]
+    assert fake_cugraph.leiden.calls == [("leiden", 1.0, {"max_iter": 100, "random_state": 0})]
+    alone = _gpu.cugraph_partition(sp.csr_matrix((3, 3)), "leiden", resolution=1.0, random_state=0, use_weights=True)
+    np.testing.assert_array_equal(alone, [0, 1, 2])  # no edge at all: cuGraph is not asked
+    assert len(fake_cugraph.leiden.calls) == 1
 
 
 def test_leiden_and_louvain_on_cugraph(graph_adata, fake_cugraph, pretend_gpu, caplog):
     with caplog.at_level(logging.INFO, logger="atlasflow"):
-        leiden(graph_adata, 0.5, backend="gpu", n_iterations=-1)
+        leiden(graph_adata, 0.5, backend="gpu")
+        leiden(graph_adata, 0.5, backend="gpu", n_iterations=-1, key_added="stable")
         louvain(graph_adata, backend="gpu")
-    assert sum("cuGraph on the GPU" in r.getMessage() for r in caplog.records) == 2
-    assert fake_cugraph.leiden.calls[0][2]["max_iter"] == 100  # -1 (until stable): cuGraph's default cap
+    assert sum("cuGraph on the GPU" in r.getMessage() for r in caplog.records) == 3
+    # igraph's n_iterations (2 passes by default) is not cuGraph's max_iter (levels): cuGraph's own cap, always
+    assert [c[2]["max_iter"] for c in fake_cugraph.leiden.calls] == [100, 100]
     assert fake_cugraph.louvain.calls[0][2] == {"max_level": 100}
     for key in ("leiden", "louvain"):
         labels = graph_adata.obs[key]
@@ -252,6 +260,51 @@ def test_without_cugraph_clustering_runs_on_the_cpu_and_says_so(graph_adata, pre
     assert any("leiden: on the CPU (igraph; cuGraph is not installed)" in m for m in messages), messages
     assert any("flavor 'leidenalg' runs on the CPU" in m for m in messages), messages
     pd.testing.assert_series_equal(graph_adata.obs["leiden"], ref.obs["leiden"])
+
+
+@pytest.fixture
+def fake_cuml_umap(monkeypatch):
+    """cuML's ``simplicial_set_embedding`` contract (its layout follows the type of ``data``), recording its
+    keyword arguments; the layout is umap-learn's on the same graph. CuPy stands in as NumPy."""
+    calls = []
+
+    def simplicial_set_embedding(data, graph, **kw):
+        from sklearn.utils import check_random_state
+        from umap.umap_ import simplicial_set_embedding as cpu
+
+        calls.append({"data": data, "graph": graph.copy(), **kw})  # umap-learn below edits the graph in place
+        emb, _ = cpu(data=data, graph=graph.tocoo(), random_state=check_random_state(kw.pop("random_state")),
+                     densmap=False, densmap_kwds={}, output_dens=False, metric_kwds={}, **kw)
+        return emb
+
+    cupy = types.ModuleType("cupy")
+    cupy.asarray, cupy.float32 = np.asarray, np.float32
+    mod = types.ModuleType("cuml.manifold.umap")
+    mod.simplicial_set_embedding = simplicial_set_embedding
+    for name, m in {"cupy": cupy, "cuml": types.ModuleType("cuml"), "cuml.manifold": types.ModuleType("x"),
+                    "cuml.manifold.umap": mod}.items():
+        monkeypatch.setitem(sys.modules, name, m)
+    monkeypatch.setattr(gpu, "cuml_available", lambda: True)
+    return calls
+
+
+def test_umap_glue_hands_cuml_the_graph_and_parameters(graph_adata, pretend_gpu, fake_cuml_umap, caplog):
+    ref = graph_adata.copy()
+    umap(ref, maxiter=30, random_state=3)
+    with caplog.at_level(logging.INFO, logger="atlasflow"):
+        umap(graph_adata, maxiter=30, random_state=3, backend="gpu")
+        umap(graph_adata, maxiter=30, random_state=None, init_pos="random", key_added="unseeded", backend="gpu")
+        umap(graph_adata, maxiter=0, backend="gpu", key_added="no_epochs")  # cuML reads 0 as 'choose'
+    assert sum("layout on the GPU (cuML)" in r.getMessage() for r in caplog.records) == 2
+    assert any("umap-learn; no epochs asked" in r.getMessage() for r in caplog.records)
+    first, second = fake_cuml_umap
+    assert first["n_epochs"] == 30 and first["random_state"] == 3 and first["init"] == "spectral"
+    assert second["random_state"] is None and second["init"] == "random"
+    assert (first["a"], first["b"]) == (ref.uns["umap"]["params"]["a"], ref.uns["umap"]["params"]["b"])
+    assert (first["graph"] != graph_adata.obsp["connectivities"]).nnz == 0  # the neighbors graph, untouched
+    emb = graph_adata.obsm["X_umap"]
+    assert emb.dtype == np.float32 and emb.shape == (graph_adata.n_obs, 2)
+    np.testing.assert_allclose(emb, ref.obsm["X_umap"], rtol=1e-5, atol=1e-4)
 
 
 def test_umap_without_cuml_runs_umap_learn_and_says_so(graph_adata, pretend_gpu, monkeypatch, caplog):

@@ -183,7 +183,7 @@ def _run_with_cluster(stage: ModuleType, args) -> dict:
     backend = validate_backend(args.backend)
     args.backend = backend
     if not getattr(stage, "NEEDS_CLUSTER", True):  # the graph stages: in-memory arrays, on the GPU or not
-        with _gpu_errors(args):
+        with _gpu_errors(args, in_memory=True):
             result = stage.run(args, None)
         return {**result, "peak_memory": peak_memory(None), "ran_on": where_it_ran(None)}
     with connect(
@@ -199,12 +199,14 @@ def _run_with_cluster(stage: ModuleType, args) -> dict:
         return {**result, "peak_memory": peak_memory(client), "ran_on": where_it_ran(client)}
 
 
-def _gpu_errors(args):
+def _gpu_errors(args, *, in_memory: bool = False):
     """On the GPU backend, a CUDA out-of-memory error becomes one line with what to change."""
     if args.backend != "gpu":
         return contextlib.nullcontext()
-    from atlasflow.gpu import oom_guard
+    from atlasflow.gpu import IN_MEMORY_ADVICE, oom_guard
 
+    if in_memory:  # chunk_rows and the cluster presets do not apply to in-memory embeddings and graphs
+        return oom_guard(advice=IN_MEMORY_ADVICE)
     return oom_guard(chunk_rows=args.chunk_rows, preset=args.gpu_preset)
 
 

@@ -253,9 +253,17 @@ def is_oom(exc: BaseException | None) -> bool:
     return False
 
 
-def oom_message(exc: BaseException, *, chunk_rows: int | None = None, preset: str | None = None) -> str:
-    """One line: what ran out, and the two ways out (smaller chunks, the capacity preset)."""
+#: The way out of a GPU out-of-memory error in the graph stages, which hold the embedding and the graph
+#: in one process (no chunks, no Dask cluster, no RMM preset).
+IN_MEMORY_ADVICE = "fewer cells or n_pcs, or backend cpu for this stage (--backend cpu)"
+
+
+def oom_message(exc: BaseException, *, chunk_rows: int | None = None, preset: str | None = None,
+                advice: str | None = None) -> str:
+    """One line: what ran out, and the ways out (``advice``, else smaller chunks and the capacity preset)."""
     detail = " ".join(str(exc).split())[:160]
+    if advice:
+        return f"GPU out of memory ({type(exc).__name__}: {detail}); use {advice}"
     smaller = f"a smaller chunk_rows (now {chunk_rows}, e.g. --chunk-rows {max(1, chunk_rows // 2)})" if chunk_rows \
         else "a smaller chunk_rows (--chunk-rows)"
     other = "" if preset == "capacity" else " or the capacity GPU preset (--gpu-preset capacity: RMM managed memory)"
@@ -263,7 +271,7 @@ def oom_message(exc: BaseException, *, chunk_rows: int | None = None, preset: st
 
 
 @contextlib.contextmanager
-def oom_guard(*, chunk_rows: int | None = None, preset: str | None = None):
+def oom_guard(*, chunk_rows: int | None = None, preset: str | None = None, advice: str | None = None):
     """Re-raise CUDA out-of-memory errors inside the block as a one-line :class:`GpuMemoryError`."""
     try:
         yield
@@ -271,7 +279,7 @@ def oom_guard(*, chunk_rows: int | None = None, preset: str | None = None):
         raise
     except BaseException as exc:
         if is_oom(exc):
-            raise GpuMemoryError(oom_message(exc, chunk_rows=chunk_rows, preset=preset)) from exc
+            raise GpuMemoryError(oom_message(exc, chunk_rows=chunk_rows, preset=preset, advice=advice)) from exc
         raise
 
 

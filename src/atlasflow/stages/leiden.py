@@ -14,7 +14,7 @@ from atlasflow.errors import ConfigError
 from atlasflow.stages._common import json_arg, shape_summary
 from atlasflow.stages.neighbors import optional_int, to_int
 from atlasflow.store import open_store, write_store
-from atlasflow.tl._gpu import resolve_backend
+from atlasflow.tl._gpu import clustering_engine, resolve_backend
 from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
 
 DESCRIPTION = ("Leiden clustering of the neighbors graph (scanpy.tl.leiden): obs['leiden'] (+ one column per "
@@ -82,7 +82,8 @@ def run_clustering(args, algorithm: str, cluster, **options) -> dict:
                        resolutions=resolutions)
     write_store(adata, args.output, chunk_rows=args.chunk_rows,
                 provenance={"stage": algorithm, "keys": keys, "flavor": options["flavor"]})
-    return {**shape_summary(adata, adata), "flavor": options["flavor"], "backend": backend,
+    engine, _ = clustering_engine(backend, options["flavor"])
+    return {**shape_summary(adata, adata), "flavor": options["flavor"], "backend": backend, "engine": engine,
             **cluster_summary(adata, keys)}
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from atlasflow.stages._common import optional_float, shape_summary
 from atlasflow.stages.neighbors import optional_int, to_int
 from atlasflow.store import open_store, write_store
-from atlasflow.tl._gpu import resolve_backend
+from atlasflow.tl._gpu import resolve_backend, umap_engine
 from atlasflow.tl.umap import umap
 
 DESCRIPTION = "UMAP of the neighbors graph (scanpy.tl.umap): obsm['X_umap'], uns['umap']; X is linked, not copied."
@@ -62,6 +62,7 @@ def run(args, client) -> dict:
     return {
         **shape_summary(adata, adata),
         "backend": backend,
+        "engine": umap_engine(backend, 1 if args.maxiter is None else optional_int(args.maxiter)),
         "a": float(params["a"]), "b": float(params["b"]),
         "extent": [[float(v) for v in emb.min(axis=0)], [float(v) for v in emb.max(axis=0)]],
     }

@@ -6,10 +6,11 @@ The embedding (cells x n_pcs) and the graph fit in memory, so the graph stages n
 * kNN: cuML's brute-force ``NearestNeighbors`` when cuML is installed, else the exact CuPy search of
   :func:`atlasflow.gpu.knn_gpu` (both exact, so the graph is the CPU exact search's up to float rounding);
 * UMAP: cuML's ``simplicial_set_embedding`` on the same fuzzy graph, else umap-learn on the CPU;
-* Leiden / Louvain: cuGraph, else igraph / leidenalg on the CPU.
+* Leiden / Louvain (flavor igraph): cuGraph, else igraph on the CPU.
 
-Every choice is logged in one line saying what ran where. Nothing here imports CuPy, cuML or cuGraph
-before it is used, so CPU installs import this module freely.
+The ``*_engine`` functions name the library that will run (the stages put it in their summary); the
+``tl`` functions log it in one line. Nothing here imports CuPy, cuML or cuGraph before it is used, so
+CPU installs import this module freely.
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ import numpy as np
 import scipy.sparse as sp
 
 from atlasflow import gpu
-from atlasflow.errors import ConfigError
+from atlasflow.backend import to_host
 
 log = logging.getLogger("atlasflow.tl.gpu")
 
 #: Metrics of the GPU kNN search (both engines); others run on the CPU, with a log line.
 KNN_METRICS = gpu.KNN_METRICS
+#: Most levels / iterations cuGraph's Leiden and Louvain may take (cuGraph's own default). scanpy's
+#: n_iterations counts igraph's whole passes, not cuGraph's levels, so it is not passed on.
+CUGRAPH_MAX_LEVELS = 100
 
 
 def resolve_backend(backend: str | None) -> str:
-    """'gpu' or 'cpu' for a graph stage: ``auto`` becomes gpu where CuPy sees a device; gpu without one fails."""
+    """'gpu' or 'cpu': ``auto`` becomes gpu where CuPy sees a device; gpu without CuPy or a device fails in one line."""
     from atlasflow.cluster import validate_backend
 
     resolved = validate_backend(backend or "cpu")
@@ -39,13 +43,6 @@ def resolve_backend(backend: str | None) -> str:
             raise gpu.GpuUnavailableError("backend gpu: CuPy sees no CUDA device (check the driver / "
                                           "CUDA_VISIBLE_DEVICES) or use backend: cpu")
     return resolved
-
-
-def check_backend(backend: str) -> str:
-    """A backend name as given to a ``tl`` function (``cpu`` or ``gpu``; ``auto`` is resolved)."""
-    if backend not in ("cpu", "gpu", "auto"):
-        raise ConfigError(f"backend must be cpu, gpu or auto, not {backend!r}")
-    return resolve_backend(backend)
 
 
 # --------------------------------------------------------------------------------------------------- kNN
@@ -86,20 +83,21 @@ def _knn_cuml(x: np.ndarray, k: int, metric: str) -> tuple[np.ndarray, np.ndarra
     nn.fit(x)
     dist, ind = nn.kneighbors(x)
     dist, ind = np.asarray(dist, dtype=np.float64), np.asarray(ind, dtype=np.int64)
-    order = np.lexsort((ind, dist), axis=1)  # ties in index order, as the CPU search
+    order = gpu._lexsort_rows(dist, ind, np)  # ties in index order, as the CPU search
     return np.take_along_axis(ind, order, axis=1), np.take_along_axis(dist, order, axis=1)
 
 
 # -------------------------------------------------------------------------------------------------- UMAP
 
 
-def umap_available() -> bool:
-    """True when cuML (and so its UMAP layout) is installed."""
-    return gpu.cuml_available()
+def umap_engine(backend: str, n_epochs: int) -> str:
+    """'cuML' or 'umap-learn'. cuML reads 0 epochs as 'choose for me', so ``maxiter=0`` (the initial
+    layout, unoptimised) stays with umap-learn."""
+    return "cuML" if backend == "gpu" and gpu.cuml_available() and n_epochs > 0 else "umap-learn"
 
 
 def umap_embedding(x: np.ndarray, graph: sp.coo_matrix, *, n_components: int, initial_alpha: float, a: float,
-                   b: float, gamma: float, negative_sample_rate: int, n_epochs: int, init, random_state: int,
+                   b: float, gamma: float, negative_sample_rate: int, n_epochs: int, init, random_state: int | None,
                    metric: str) -> np.ndarray:
     """cuML's layout of the fuzzy graph ``graph`` (the one umap-learn would embed), as a host float32 array.
 
@@ -115,50 +113,56 @@ def umap_embedding(x: np.ndarray, graph: sp.coo_matrix, *, n_components: int, in
         cupy.asarray(x, dtype=cupy.float32), graph=graph.tocoo(), n_components=int(n_components),
         initial_alpha=float(initial_alpha), a=float(a), b=float(b), gamma=float(gamma),
         negative_sample_rate=int(negative_sample_rate), n_epochs=int(n_epochs), init=init,
-        random_state=int(random_state), metric=metric,
+        random_state=None if random_state is None else int(random_state), metric=metric,
     )
-    return np.asarray(gpu_to_host(emb), dtype=np.float32)
+    return np.asarray(to_host(emb), dtype=np.float32)
 
 
 # ------------------------------------------------------------------------------------ Leiden / Louvain
 
 
-def cugraph_available() -> bool:
-    return gpu.cugraph_available()
+def clustering_engine(backend: str, flavor: str, extra_args=None) -> tuple[str, str]:
+    """(library, why) of a Leiden/Louvain run: cuGraph for flavor igraph on the GPU backend where installed."""
+    if backend != "gpu":
+        return flavor, ""
+    if flavor != "igraph":
+        return flavor, f"flavor {flavor!r} runs on the CPU (cuGraph stands in for flavor 'igraph' only)"
+    if extra_args:
+        return flavor, f"options {sorted(extra_args)} are igraph's: clustering on the CPU"
+    if not gpu.cugraph_available():
+        return flavor, "on the CPU (igraph; cuGraph is not installed)"
+    return "cuGraph", "cuGraph on the GPU"
 
 
 def cugraph_partition(adjacency: sp.csr_matrix, algorithm: str, *, resolution: float, random_state: int | None,
-                      max_iter: int, use_weights: bool) -> np.ndarray:
+                      use_weights: bool) -> np.ndarray:
     """Leiden or Louvain membership (one int per vertex, in vertex order) of the undirected graph, by cuGraph.
 
     Every stored edge goes into a cuGraph ``Graph`` (undirected) with float32 weights (1 without
     ``use_weights``). cuGraph returns (vertex, partition) rows in its own order, and leaves out vertices
-    without edges: each of those becomes a cluster of its own, as on the CPU.
+    without edges: each of those becomes a cluster of its own, as on the CPU. cuGraph's Louvain takes no seed.
     """
+    n = adjacency.shape[0]
+    coo = adjacency.tocoo()
+    if coo.nnz == 0:  # no edge at all: every cell on its own (cuGraph needs an edge list)
+        return np.arange(n, dtype=np.int64)
     import cudf
     import cugraph
 
-    coo = adjacency.tocoo()
     weights = coo.data if use_weights else np.ones_like(coo.data)
     frame = cudf.DataFrame({"src": coo.row.astype(np.int32), "dst": coo.col.astype(np.int32),
                             "weight": weights.astype(np.float32)})
     g = cugraph.Graph(directed=False)
     g.from_cudf_edgelist(frame, source="src", destination="dst", weight="weight", renumber=True)
     if algorithm == "leiden":
-        parts, _ = cugraph.leiden(g, max_iter=int(max_iter), resolution=float(resolution), random_state=random_state)
+        parts, _ = cugraph.leiden(g, max_iter=CUGRAPH_MAX_LEVELS, resolution=float(resolution),
+                                  random_state=random_state)
     else:
-        parts, _ = cugraph.louvain(g, max_level=int(max_iter), resolution=float(resolution))
+        parts, _ = cugraph.louvain(g, max_level=CUGRAPH_MAX_LEVELS, resolution=float(resolution))
     parts = parts.to_pandas()
-    membership = np.full(adjacency.shape[0], -1, dtype=np.int64)
+    membership = np.full(n, -1, dtype=np.int64)
     membership[parts["vertex"].to_numpy(np.int64)] = parts["partition"].to_numpy(np.int64)
     lonely = membership < 0
     if lonely.any():
         membership[lonely] = membership.max() + 1 + np.arange(int(lonely.sum()))
     return membership
-
-
-def gpu_to_host(x):
-    """A host NumPy array of a CuPy array (or of anything array-like)."""
-    from atlasflow.backend import to_host
-
-    return np.asarray(to_host(x))

@@ -203,23 +203,15 @@ def output_keys(algorithm: str, key_added: str, *, restricted: bool = False,
 # clustering
 
 
-def _use_cugraph(algorithm: str, backend: str, flavor: str, gpu_flavor: str, extra_args) -> bool:
-    """Whether this clustering runs on cuGraph; logs one line saying where it runs when the backend is gpu."""
+def _use_cugraph(algorithm: str, backend: str, flavor: str, extra_args) -> bool:
+    """Whether this clustering runs on cuGraph; on the GPU backend, logs one line saying where it runs."""
     from atlasflow.tl import _gpu
 
-    if _gpu.check_backend(backend) != "gpu":
-        return False
-    if flavor != gpu_flavor:
-        log.info("%s: flavor %r runs on the CPU (cuGraph stands in for flavor %r only)", algorithm, flavor, gpu_flavor)
-        return False
-    if extra_args:
-        log.info("%s: options %s are igraph's: clustering on the CPU", algorithm, sorted(extra_args))
-        return False
-    if not _gpu.cugraph_available():
-        log.info("%s: on the CPU (%s; cuGraph is not installed)", algorithm, flavor)
-        return False
-    log.info("%s: cuGraph on the GPU", algorithm)
-    return True
+    backend = _gpu.resolve_backend(backend)
+    engine, why = _gpu.clustering_engine(backend, flavor, extra_args)
+    if why:
+        log.info("%s: %s", algorithm, why)
+    return engine == "cuGraph"
 
 
 def _run(
@@ -277,12 +269,13 @@ def leiden(
     ``directed=False``, as scanpy). ``resolutions`` adds one column per value (``{key_added}_r<res>``).
     ``uns[key]['params']`` holds resolution, random_state and n_iterations, as scanpy.
     ``backend='gpu'``: flavor 'igraph' runs as cuGraph's Leiden where cuGraph is installed (another
-    implementation: partitions of the same quality, not the same labels), else on the CPU (logged).
+    implementation: partitions of the same quality, not the same labels; up to cuGraph's 100 levels, as
+    ``n_iterations`` counts igraph's passes), else on the CPU (logged).
     """
     adata = adata.copy() if copy else adata
-    on_gpu = _use_cugraph("leiden", backend, flavor, "igraph", clustering_args)
     if flavor not in LEIDEN_FLAVORS:
         raise ConfigError(f"flavor must be one of {', '.join(LEIDEN_FLAVORS)}, not {flavor!r}")
+    on_gpu = _use_cugraph("leiden", backend, flavor, clustering_args)
     resolution = _check_resolution(resolution)
     resolutions = [_check_resolution(r, "resolutions") for r in (resolutions or ())]
     n_iterations = int(n_iterations)
@@ -303,8 +296,7 @@ def leiden(
         if on_gpu:
             from atlasflow.tl._gpu import cugraph_partition
 
-            return cugraph_partition(adj, "leiden", resolution=res, random_state=random_state,
-                                     max_iter=n_iterations if n_iterations > 0 else 100, use_weights=use_weights)
+            return cugraph_partition(adj, "leiden", resolution=res, random_state=random_state, use_weights=use_weights)
         if "g" not in cache:
             cache["g"] = igraph_from_adjacency(adj, directed=directed)
         g = cache["g"]
@@ -352,12 +344,13 @@ def louvain(
     the undirected graph, seeded and with ``resolution`` (default 1); 'vtraag': the louvain package with
     RBConfigurationVertexPartition on the directed graph, as scanpy's default. ``use_weights`` defaults to
     False, as in scanpy. ``uns[key]['params']`` holds resolution and random_state. ``backend='gpu'``: flavor
-    'igraph' runs as cuGraph's Louvain where cuGraph is installed, else on the CPU (logged).
+    'igraph' runs as cuGraph's Louvain where cuGraph is installed (which takes no seed), else on the CPU
+    (logged).
     """
     adata = adata.copy() if copy else adata
-    on_gpu = _use_cugraph("louvain", backend, flavor, "igraph", partition_kwargs)
     if flavor not in LOUVAIN_FLAVORS:
         raise ConfigError(f"flavor must be one of {', '.join(LOUVAIN_FLAVORS)}, not {flavor!r}")
+    on_gpu = _use_cugraph("louvain", backend, flavor, partition_kwargs)
     if resolution is not None:
         resolution = _check_resolution(resolution)
     resolutions = [_check_resolution(r, "resolutions") for r in (resolutions or ())]
@@ -375,7 +368,7 @@ def louvain(
             from atlasflow.tl._gpu import cugraph_partition
 
             return cugraph_partition(adj, "louvain", resolution=1.0 if res is None else res,
-                                     random_state=random_state, max_iter=100, use_weights=use_weights)
+                                     random_state=random_state, use_weights=use_weights)
         if "g" not in cache:
             cache["g"] = igraph_from_adjacency(adj, directed=directed)
         g = cache["g"]

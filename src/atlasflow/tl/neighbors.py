@@ -53,8 +53,6 @@ def choose_knn_method(n_obs: int, metric: str = "euclidean", knn_method: str = "
 
         if _gpu.knn_supported(metric, metric_kwds):
             return "gpu"
-        log.info("neighbors: metric %r%s is not supported on the GPU (%s): the search runs on the CPU", metric,
-                 " with metric_kwds" if metric_kwds else "", ", ".join(_gpu.KNN_METRICS))
     if knn_method != "auto":
         return knn_method
     small = (metric == "euclidean" and n_obs < EXACT_MAX_CELLS_EUCLIDEAN) or n_obs < EXACT_MAX_CELLS
@@ -134,6 +132,9 @@ def knn(
     k_search = min(n_neighbors + 1, n)
     if method == "pynndescent":
         k_search = min(max(k_search, MIN_SEARCH_NEIGHBORS), n)
+    if backend == "gpu" and method != "gpu":
+        log.info("neighbors: %s search on the CPU (%s)", method, "asked for" if knn_method == "pynndescent" else
+                 f"metric {metric!r}{' with metric_kwds' if metric_kwds else ''} is not one of the GPU's")
     if method == "gpu":
         from atlasflow.tl import _gpu
 
@@ -297,10 +298,10 @@ def neighbors(
     ``backend``: 'gpu' searches exactly on the GPU (cuML, else CuPy; ``auto`` where one is seen); the
     connectivities are computed on the CPU either way (umap-learn's, bit for bit scanpy's).
     """
-    from atlasflow.tl._gpu import check_backend
+    from atlasflow.tl import _gpu
 
     adata = adata.copy() if copy else adata
-    backend = check_backend(backend)
+    backend = _gpu.resolve_backend(backend)
     if method not in METHODS:
         raise ConfigError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
     n_neighbors = int(n_neighbors)

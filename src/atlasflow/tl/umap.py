@@ -55,7 +55,7 @@ def umap(
     from atlasflow.tl import _gpu
 
     adata = adata.copy() if copy else adata
-    on_gpu = _gpu.check_backend(backend) == "gpu"
+    backend = _gpu.resolve_backend(backend)
     key_obsm, key_uns = ("X_umap", "umap") if key_added is None else (key_added, key_added)
     neigh, conns_key = graph_of(adata, neighbors_key)
     if min_dist < 0 or spread <= 0 or min_dist > spread:
@@ -100,15 +100,17 @@ def umap(
     n_epochs = (500 if graph.shape[0] <= 10000 else 200) if maxiter is None else int(maxiter)
     log.info("umap: %d cells, %d epochs, init %s", graph.shape[0], n_epochs,
              init if isinstance(init, str) else "array")
-    if on_gpu and _gpu.umap_available():
+    engine = _gpu.umap_engine(backend, n_epochs)
+    if engine == "cuML":
         log.info("umap: layout on the GPU (cuML)")
         adata.obsm[key_obsm] = _gpu.umap_embedding(
             x, graph, n_components=int(n_components), initial_alpha=alpha, a=a, b=b, gamma=gamma,
             negative_sample_rate=int(negative_sample_rate), n_epochs=n_epochs, init=init,
             random_state=random_state, metric=params.get("metric", "euclidean"))
         return adata if copy else None
-    if on_gpu:
-        log.info("umap: layout on the CPU (umap-learn; cuML is not installed)")
+    if backend == "gpu":
+        log.info("umap: layout on the CPU (umap-learn; %s)", "no epochs asked" if n_epochs == 0 else
+                 "cuML is not installed")
     emb, _ = simplicial_set_embedding(
         data=x, graph=graph, n_components=int(n_components), initial_alpha=alpha, a=a, b=b, gamma=gamma,
         negative_sample_rate=int(negative_sample_rate), n_epochs=n_epochs, init=init,
