@@ -345,7 +345,8 @@ def rule_mem_mb(stage):
 
 
 #: Stages that compute with the configured backend (the others only read files or plot). With backend gpu
-#: their jobs ask for a GPU and run in envs/gpu.yaml.
+#: their jobs ask for a GPU and run in envs/gpu.yaml. Every stage rule asks rule_gpus/conda_env, so this
+#: list is the one place that decides.
 GPU_STAGES = ("qc", "filter", "normalize", "log1p", "hvg", "subset", "regress_out", "scale", "pca", "score_genes",
               "neighbors", "leiden", "louvain", "umap", "rank_genes_groups", "aggregate")
 

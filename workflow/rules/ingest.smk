@@ -18,9 +18,10 @@ rule simulate:
     threads: rule_threads("simulate")
     resources:
         mem_mb=rule_mem_mb("simulate"),
+        gpu=rule_gpus("simulate"),
         runtime=rule_runtime("simulate"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("simulate")
     script:
         "../../scripts/simulate.py"
 
@@ -42,8 +43,9 @@ rule ingest:
     threads: rule_threads("ingest")
     resources:
         mem_mb=rule_mem_mb("ingest"),
+        gpu=rule_gpus("ingest"),
         runtime=rule_runtime("ingest"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("ingest")
     script:
         "../../scripts/ingest.py"

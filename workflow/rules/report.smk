@@ -29,9 +29,10 @@ rule plots:
     threads: rule_threads("plots")
     resources:
         mem_mb=rule_mem_mb("plots"),
+        gpu=rule_gpus("plots"),
         runtime=rule_runtime("plots"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("plots")
     script:
         "../../scripts/plots.py"
 
@@ -53,9 +54,10 @@ rule final:
     threads: rule_threads("final")
     resources:
         mem_mb=rule_mem_mb("final"),
+        gpu=rule_gpus("final"),
         runtime=rule_runtime("final"),
     conda:
-        "../../envs/cpu.yaml"
+        conda_env("final")
     script:
         "../../scripts/final.py"
 

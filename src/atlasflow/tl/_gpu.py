@@ -25,8 +25,6 @@ from atlasflow.backend import to_host
 
 log = logging.getLogger("atlasflow.tl.gpu")
 
-#: Metrics of the GPU kNN search (both engines); others run on the CPU, with a log line.
-KNN_METRICS = gpu.KNN_METRICS
 #: Most levels / iterations cuGraph's Leiden and Louvain may take (cuGraph's own default). scanpy's
 #: n_iterations counts igraph's whole passes, not cuGraph's levels, so it is not passed on.
 CUGRAPH_MAX_LEVELS = 100
@@ -50,7 +48,7 @@ def resolve_backend(backend: str | None) -> str:
 
 def knn_supported(metric: str, metric_kwds=None) -> bool:
     """True when the GPU search handles this metric (without extra metric parameters)."""
-    return metric in KNN_METRICS and not metric_kwds
+    return metric in gpu.KNN_METRICS and not metric_kwds  # both engines; others run on the CPU
 
 
 def knn_engine() -> str:
