@@ -56,7 +56,7 @@ echo "## tests/gpu (timeout ${TEST_TIMEOUT}s)"
 # is stopped after 120 s where pytest-timeout is installed (the H200 image has it)
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
-timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu/test_gpu_stages.py tests/gpu/test_gpu_graph_markers.py \
+timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu/test_cupy_api.py tests/gpu/test_gpu_stages.py tests/gpu/test_gpu_graph_markers.py \
     -v -rfEs --tb=short --durations=12 -p no:cacheprovider "${per_test[@]}" \
     -W ignore::FutureWarning -W ignore::DeprecationWarning -o faulthandler_timeout=150 \
     --junitxml="$OUTDIR/junit.xml" 2>&1 | tee "$OUTDIR/tests.log"

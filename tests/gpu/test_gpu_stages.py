@@ -539,5 +539,12 @@ def test_knn_runs_on_the_gpu():
     assert (cupy.asnumpy(ind) == ref_ind).mean() > 0.999
 
 
-def test_cuml_check_answers():
-    assert gpu.cuml_available() in (True, False)
+def test_cuml_check_matches_import():
+    """cuml_available() says True exactly where ``import cuml`` works (the GPU image may or may not have it)."""
+    try:
+        import cuml  # noqa: F401
+    except Exception:  # noqa: BLE001 - installed but unusable counts as absent, as in gpu._importable
+        importable = False
+    else:
+        importable = True
+    assert gpu.cuml_available() is importable
