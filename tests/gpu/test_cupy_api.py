@@ -19,11 +19,11 @@ cupy = pytest.importorskip("cupy")
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [*sorted((ROOT / "src").rglob("*.py")), ROOT / "bench" / "gpu_bench.py"]
 #: Names that stand for CuPy in our code.
-ALIASES = {"cupy": "cupy", "cp": "cupy", "xp": "cupy", "cupyx": "cupyx"}
+ALIASES = {"cupy": "cupy", "xp": "cupy", "cupyx": "cupyx"}
 
 
 def _chains(tree: ast.AST):
-    """Outermost attribute chains rooted at a CuPy alias, e.g. ``["xp", "linalg", "qr"]``."""
+    """Outermost attribute chains rooted at a CuPy alias, e.g. ``("xp", "linalg", "qr")``."""
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute) or id(node) in inner:
@@ -33,10 +33,10 @@ def _chains(tree: ast.AST):
             parts.append(cur.attr)
             cur = cur.value
         if isinstance(cur, ast.Name) and cur.id in ALIASES:
-            yield [cur.id, *reversed(parts)]
+            yield (cur.id, *reversed(parts))
 
 
-def _resolve(chain: list[str]) -> bool:
+def _resolve(chain: tuple[str, ...]) -> bool:
     obj = importlib.import_module(ALIASES[chain[0]])
     for part in chain[1:]:
         try:
@@ -50,10 +50,10 @@ def _resolve(chain: list[str]) -> bool:
 
 
 def test_every_cupy_name_we_use_exists():
-    seen: dict[str, str] = {}
+    seen: dict[tuple[str, ...], str] = {}
     for path in SOURCES:
         for chain in _chains(ast.parse(path.read_text(), filename=str(path))):
-            seen.setdefault(".".join(chain), str(path.relative_to(ROOT)))
+            seen.setdefault(chain, str(path.relative_to(ROOT)))
     assert len(seen) > 20, f"the scan found too few names ({len(seen)}): is the source where the test expects it?"
-    missing = {name: where for name, where in seen.items() if not _resolve(name.split("."))}
+    missing = {".".join(chain): where for chain, where in seen.items() if not _resolve(chain)}
     assert not missing, f"names missing from CuPy {cupy.__version__}: {missing}"
