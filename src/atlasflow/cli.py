@@ -148,6 +148,7 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
     setup_logging(args.log)
     t0 = time.time()
     try:
+        check_outputs(stage, args)  # before any work: never replace what atlasflow did not write
         summary = _run_with_cluster(stage, args)
     except AtlasflowError as exc:
         log.error("%s", exc)
@@ -160,7 +161,11 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
     summary = {"stage": name, "seconds": round(time.time() - t0, 3), **summary}
     from atlasflow.store import write_summary
 
-    write_summary(args.summary, summary)
+    try:
+        write_summary(args.summary, summary)
+    except AtlasflowError as exc:  # a summary path taken meanwhile by something atlasflow did not write
+        print(f"atlasflow {name}: error: {exc}", file=sys.stderr)
+        return 1
     log.info("%s done in %.1f s: %s", name, summary["seconds"], _one_line(summary))
     return 0
 
@@ -168,6 +173,29 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
 #: Arguments holding paths: made absolute so that workers started in another directory find them.
 PATH_ARGS = ("input", "output", "summary", "log", "per_sample", "sample_sheet", "counts", "groups_store",
              "scheduler_file", "unscaled")
+
+
+def output_paths(stage: ModuleType, args) -> list[tuple[str, str, str]]:
+    """(argument, path, kind) of every path the stage writes: its store (or plots folder), its summary and
+    the stage's own extras (``stage.extra_outputs(args)``: CSVs, an h5ad, a gene-major copy)."""
+    outs = [("output", args.output, getattr(stage, "OUTPUT_KIND", "store")), ("summary", args.summary, "file")]
+    extra = getattr(stage, "extra_outputs", None)
+    return outs + (list(extra(args)) if extra else [])
+
+
+def check_outputs(stage: ModuleType, args) -> None:
+    """Refuse, before the stage runs, an output that holds a user's data or overlaps an input (one line)."""
+    from atlasflow import ownership
+
+    outs = output_paths(stage, args)
+    names = {name for name, _, _ in outs}
+    inputs = [v for k, v in vars(args).items() if k not in names and (k in INPUT_ARGS or k.endswith("_store"))
+              and isinstance(v, str) and v and os.path.exists(v)]
+    ownership.check_outputs(outs, inputs)
+
+
+#: Arguments naming what a stage reads (besides every ``*_store`` argument).
+INPUT_ARGS = ("input", "per_sample", "sample_sheet", "counts", "unscaled")
 
 
 def _absolute_paths(args) -> None:

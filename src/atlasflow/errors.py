@@ -19,3 +19,7 @@ class ConfigError(AtlasflowError):
 
 class ClusterError(AtlasflowError):
     """The Dask scheduler cannot be reached or the cluster cannot start."""
+
+
+class OutputError(AtlasflowError):
+    """An output path holds something atlasflow did not write (or is one of the inputs): refused, kept."""

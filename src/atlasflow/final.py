@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from atlasflow import ownership
 from atlasflow.errors import InputError
 from atlasflow.plots import palette, read_slots
 from atlasflow.store import open_store
@@ -131,6 +132,7 @@ def write_h5ad(adata: ad.AnnData, path: str | Path) -> Path:
     import dask
 
     path = Path(path)
+    ownership.check_replaceable(path, "file")
     tmp = path.with_name(f".{path.name}.tmp")
     skeleton = ad.AnnData(obs=adata.obs, var=adata.var, obsm=dict(adata.obsm), varm=dict(adata.varm),
                           obsp=dict(adata.obsp), uns=dict(adata.uns))
@@ -141,7 +143,7 @@ def write_h5ad(adata: ad.AnnData, path: str | Path) -> Path:
             if key in f:
                 del f[key]
             _stream_csr(f, key, x, dask)
-    tmp.replace(path)
+    ownership.replace_file(tmp, path)
     return path
 
 

@@ -15,7 +15,6 @@ fixed random order); continuous colours: the mean value per pixel.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
@@ -28,6 +27,7 @@ import pandas as pd  # noqa: E402
 import zarr  # noqa: E402
 from matplotlib.colors import to_hex, to_rgba_array  # noqa: E402
 
+from atlasflow import ownership  # noqa: E402
 from atlasflow.store import temporary_sibling  # noqa: E402
 
 #: Above this many points a scatter is binned into an image instead of drawn point by point.
@@ -73,13 +73,16 @@ def save(fig, path, dpi: int = 100) -> None:
     Written under a temporary name and renamed: a killed run never leaves a truncated PNG in place.
     """
     path = Path(path)
-    tmp = temporary_sibling(path)
     try:
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, path)
+        ownership.check_replaceable(path, "file")
+        tmp = temporary_sibling(path)
+        try:
+            fig.savefig(tmp, dpi=dpi, format="png")
+            ownership.replace_file(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     finally:
-        tmp.unlink(missing_ok=True)
-    plt.close(fig)
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -45,6 +45,7 @@ import scipy.sparse as sp
 import zarr
 
 from atlasflow.errors import ConfigError
+from atlasflow import ownership
 from atlasflow.store import META_KEY, atomic_dir, temporary_sibling, write_csr_blocks
 
 #: Cells per independently seeded sub-block (1000 so that the usual chunk sizes align with it).
@@ -478,7 +479,7 @@ def write_tenx_h5(path, params: SimParams, *, threads: int = 1, compression: str
                 indptr.append(block.indptr[1:].astype(np.int64) + nnz)
                 nnz += block.nnz
             m.create_dataset("indptr", data=np.concatenate(indptr))
-        tmp.replace(path)
+        ownership.replace_file(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return nnz

@@ -38,7 +38,7 @@ import scipy.sparse as sp
 import zarr
 from dask.base import tokenize
 
-from atlasflow import kernels, lazy, progress
+from atlasflow import kernels, lazy, ownership, progress
 from atlasflow.errors import AtlasflowError, StoreError
 
 #: Elements of a 1-D CSR array per Zarr chunk (4 MiB of float32).
@@ -394,14 +394,19 @@ def temporary_sibling(path: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path``; on success replace ``path`` by it, on failure remove it."""
+    """Yield a temporary sibling of ``path``; on success replace ``path`` by it, on failure remove it.
+
+    ``path`` may only be absent or a store atlasflow wrote (``ownership``); anything else is refused.
+    """
     path = Path(path)
+    ownership.check_replaceable(path, "store")  # a user's folder or file is never replaced
     tmp = None  # stays None when the output's folder cannot even be created
     try:
         tmp = temporary_sibling(path)
         tmp.mkdir()
         yield tmp
-        if path.exists():
+        ownership.check_replaceable(path, "store")  # again: something may have appeared there meanwhile
+        if os.path.lexists(path):
             shutil.rmtree(path)
         os.rename(tmp, path)
     except BaseException as exc:
@@ -770,11 +775,15 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def write_summary(path: str | os.PathLike, summary: dict) -> Path:
-    """Write a stage's JSON summary atomically (temporary file, then rename)."""
+    """Write a stage's JSON summary atomically (temporary file, then rename); refused over a user's file."""
     path = Path(path)
+    ownership.check_replaceable(path, "file")
     tmp = temporary_sibling(path)
-    tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True) + "\n")
+        ownership.replace_file(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

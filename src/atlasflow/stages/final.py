@@ -19,6 +19,11 @@ NEEDS_CLUSTER = False
 log = logging.getLogger(__name__)
 
 
+def extra_outputs(args) -> list[tuple[str, str, str]]:
+    """The h5ad export, when asked for (checked by the CLI before any work)."""
+    return [("h5ad", args.h5ad, "file")] if args.h5ad else []
+
+
 def add_arguments(p):
     p.add_argument("--counts", default=None, help="store whose X becomes layer counts (the filter store)")
     p.add_argument("--hvg-store", dest="hvg_store", default=None, help="store whose var is used (the hvg store)")

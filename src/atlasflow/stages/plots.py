@@ -44,6 +44,8 @@ NEEDS = {
 STORE_ARGS = ("qc_store", "hvg_store", "pca_store", "embedding_store", "markers_store", "expression_store",
               "aggregate_store")
 log = logging.getLogger(__name__)
+#: The output is a folder of PNGs (each checked as atlasflow's own before it is replaced), not a store.
+OUTPUT_KIND = "folder"
 
 
 def add_arguments(p):

@@ -9,7 +9,6 @@ of markers next to it (``--markers-csv``, default: the output path with ``.csv``
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import anndata as ad
 import pandas as pd
 import zarr
 
+from atlasflow import ownership
 from atlasflow.errors import InputError, StoreError
 from atlasflow.stages._common import optional_float, shape_summary
 from atlasflow.store import open_store, temporary_sibling, write_store
@@ -102,12 +102,18 @@ def attach_obs(adata: ad.AnnData, groups_store, keys, *, param: str) -> list[str
     return found
 
 
+def extra_outputs(args) -> list[tuple[str, str, str]]:
+    """The marker CSV and the kept gene-major copy (checked by the CLI before any work)."""
+    outs = [("markers_csv", str(_csv_path(args)), "file")]
+    return outs + ([("gene_major", args.gene_major, "store")] if args.gene_major else [])
+
+
 def _csv_path(args) -> Path:
     return Path(args.markers_csv) if args.markers_csv else Path(args.output).with_suffix(".csv")
 
 
 def write_csv_atomic(table: pd.DataFrame, path: Path) -> Path:
-    """Write a CSV under a temporary name; the caller renames it into place with ``os.replace``."""
+    """Write a CSV under a temporary name; the caller moves it into place with ``ownership.replace_file``."""
     tmp = temporary_sibling(path)
     table.to_csv(tmp, index=False)
     return tmp
@@ -138,7 +144,7 @@ def run(args, client) -> dict:
             warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification.*")
             write_store(adata, args.output, chunk_rows=args.chunk_rows,
                         provenance={"stage": "rank_genes_groups", "method": res.params["method"]})
-        os.replace(tmp, csv)
+        ownership.replace_file(tmp, csv)
     finally:
         tmp.unlink(missing_ok=True)
     top = table.groupby("group", sort=False).head(5).groupby("group", sort=False)["symbol"].apply(list)
