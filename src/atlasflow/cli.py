@@ -149,6 +149,7 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
     t0 = time.time()
     try:
         check_outputs(stage, args)  # before any work: never replace what atlasflow did not write
+        inputs = input_stores(stage, args)  # which stores (by id) this output is computed from
         summary = _run_with_cluster(stage, args)
     except AtlasflowError as exc:
         log.error("%s", exc)
@@ -158,11 +159,12 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
         log.error("unexpected failure:\n%s", traceback.format_exc())
         print(f"atlasflow {name}: error: {type(exc).__name__}: {exc} (traceback in the log)", file=sys.stderr)
         return 1
-    summary = {"stage": name, "seconds": round(time.time() - t0, 3), **summary}
+    summary = {"stage": name, "seconds": round(time.time() - t0, 3), **summary, "inputs": inputs}
     from atlasflow.store import write_summary
 
     try:
         write_summary(args.summary, summary)
+        _drop_stale(stage, args)
     except AtlasflowError as exc:  # a summary path taken meanwhile by something atlasflow did not write
         print(f"atlasflow {name}: error: {exc}", file=sys.stderr)
         return 1
@@ -187,11 +189,43 @@ def check_outputs(stage: ModuleType, args) -> None:
     """Refuse, before the stage runs, an output that holds a user's data or overlaps an input (one line)."""
     from atlasflow import ownership
 
-    outs = output_paths(stage, args)
-    names = {name for name, _, _ in outs}
-    inputs = [v for k, v in vars(args).items() if k not in names and (k in INPUT_ARGS or k.endswith("_store"))
-              and isinstance(v, str) and v and os.path.exists(v)]
-    ownership.check_outputs(outs, inputs)
+    ownership.check_outputs(output_paths(stage, args), list(_input_paths(stage, args).values()))
+
+
+def _drop_stale(stage: ModuleType, args) -> None:
+    """Remove what the workflow moved aside from a stale earlier run of these outputs (``.<name>.stale``,
+    workflow/rules/consistency.smk), now that they are rebuilt."""
+    import shutil
+
+    for _, path, _ in output_paths(stage, args):
+        if path:
+            stale = Path(path).with_name(f".{Path(path).name}.stale")
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+
+
+def _input_paths(stage: ModuleType, args) -> dict[str, str]:
+    """{argument: path} of what the stage reads that exists (its input and every ``*_store``)."""
+    outs = {name for name, _, _ in output_paths(stage, args)}
+    return {k: v for k, v in vars(args).items() if k not in outs and (k in INPUT_ARGS or k.endswith("_store"))
+            and isinstance(v, str) and v and os.path.exists(v)}
+
+
+def input_stores(stage: ModuleType, args) -> dict[str, dict]:
+    """{argument: {path, store_id}} of the atlasflow stores the stage reads, for its summary.
+
+    The workflow compares these ids with the stores on disk (workflow/rules/consistency.smk): an
+    output whose input store is gone or was rewritten since is rebuilt by the next run. Paths are relative
+    to the working directory when inside it, so a moved project folder stays consistent.
+    """
+    from atlasflow import ownership
+
+    out = {}
+    for arg, path in _input_paths(stage, args).items():
+        own = (ownership.store_attrs(Path(path)) or {}).get(ownership.STORE_KEY)
+        if isinstance(own, dict) and "store_id" in own:
+            rel = os.path.relpath(path)
+            out[arg] = {"path": path if rel.startswith("..") else rel, "store_id": own["store_id"]}
+    return out
 
 
 #: Arguments naming what a stage reads (besides every ``*_store`` argument).

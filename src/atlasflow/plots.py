@@ -27,7 +27,7 @@ import pandas as pd  # noqa: E402
 import zarr  # noqa: E402
 from matplotlib.colors import to_hex, to_rgba_array  # noqa: E402
 
-from atlasflow import ownership  # noqa: E402
+from atlasflow import integrity, ownership  # noqa: E402
 from atlasflow.store import temporary_sibling  # noqa: E402
 
 #: Above this many points a scatter is binned into an image instead of drawn point by point.
@@ -92,6 +92,7 @@ def read_slots(path, *keys):
     """Read small elements (``obs``, ``var``, ``uns``, ``obsm/X_umap``, ...) of a store; missing ones are None."""
     import anndata as ad
 
+    integrity.verify_store(path, keys=keys)  # a missing chunk is an error, never zeros
     root = zarr.open_group(str(path), mode="r")
     out = []
     for key in keys:

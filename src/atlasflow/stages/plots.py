@@ -165,6 +165,9 @@ def _from_aggregate(path, groupby, genes):
     import anndata as ad
     import zarr
 
+    from atlasflow.integrity import verify_store
+
+    verify_store(path, keys=("layers/mean", "layers/count_nonzero"))
     root = zarr.open_group(str(path), mode="r")
     obs, var = ad.io.read_elem(root["obs"]), ad.io.read_elem(root["var"])
     layers = root["layers"] if "layers" in root else {}

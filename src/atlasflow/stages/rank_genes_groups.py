@@ -18,6 +18,7 @@ import zarr
 
 from atlasflow import ownership
 from atlasflow.errors import InputError, StoreError
+from atlasflow.integrity import verify_store
 from atlasflow.stages._common import optional_float, shape_summary
 from atlasflow.store import open_store, temporary_sibling, write_store
 from atlasflow.tl import markers as mk
@@ -73,6 +74,7 @@ def read_obs(path) -> pd.DataFrame:
     """Only the obs table of a store."""
     if not Path(path).exists():
         raise StoreError(f"groups store {path} does not exist")
+    verify_store(path, keys=("obs",))
     try:
         return ad.io.read_elem(zarr.open_group(str(path), mode="r")["obs"])
     except Exception as exc:  # noqa: BLE001
