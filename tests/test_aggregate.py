@@ -3,6 +3,7 @@ two keys and three chunk sizes; the stage writes a store and one CSV per functio
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import anndata as ad
@@ -112,3 +113,105 @@ def test_stage_bad_input_fails_cleanly(client, counts, tmp_path, capsys, args, w
     assert rc == 1
     assert err.startswith("atlasflow aggregate: error:") and all(w in err for w in words), err
     assert not out.exists() and not list(tmp_path.glob("bad*.csv"))
+
+
+# --------------------------------------------------------------------------------------------------
+# where the CSVs go: --csv-prefix from the command line, the rule's outputs under Snakemake
+
+
+def _small_inputs(folder: Path, n_cells=120, n_genes=30) -> tuple[Path, Path]:
+    """A raw-count store (filter.zarr) and a store with leiden labels (leiden.zarr), written in memory."""
+    rng = np.random.default_rng(4)
+    x = sp.random(n_cells, n_genes, density=0.3, format="csr", random_state=rng,
+                  data_rvs=lambda k: rng.integers(1, 20, k)).astype(np.float32)
+    names = pd.Index([f"c{i}" for i in range(n_cells)])
+    obs = pd.DataFrame({"sample": pd.Categorical(np.where(np.arange(n_cells) % 2, "s1", "s2"))}, index=names)
+    folder.mkdir(parents=True, exist_ok=True)
+    a = ad.AnnData(X=da.from_array(x, chunks=(50, n_genes), asarray=False), obs=obs,
+                   var=pd.DataFrame(index=[f"g{j}" for j in range(n_genes)]))
+    with dask.config.set(scheduler="synchronous"):
+        raw = write_store(a, folder / "filter.zarr", chunk_rows=50)
+        labels = pd.DataFrame({"leiden": pd.Categorical(rng.integers(0, 3, n_cells).astype(str))}, index=names)
+        groups = write_store(ad.AnnData(obs=labels), folder / "leiden.zarr", chunk_rows=50)
+    return raw, groups
+
+
+def test_csv_prefix_from_the_command_line(client, tmp_path):
+    raw, groups = _small_inputs(tmp_path)
+    out = tmp_path / "agg.zarr"
+    rc = run_stage(client, "--input", raw, "--groups-store", groups, "--output", out, "--func", "sum", "mean",
+                   "--csv-prefix", tmp_path / "tables" / "pb")
+    assert rc == 0
+    assert sorted(p.name for p in (tmp_path / "tables").glob("*.csv")) == ["pb.mean.csv", "pb.sum.csv"]
+    assert not list(tmp_path.glob("agg.*.csv"))
+
+
+@pytest.mark.parametrize("prefix", ["tables/", "existing_folder"])
+def test_csv_prefix_that_is_a_folder_is_refused(client, tmp_path, capsys, prefix):
+    raw, groups = _small_inputs(tmp_path)
+    (tmp_path / "existing_folder").mkdir()
+    out = tmp_path / "agg.zarr"
+    rc = run_stage(client, "--input", raw, "--groups-store", groups, "--output", out,
+                   "--csv-prefix", f"{tmp_path}/{prefix}")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1
+    assert err.startswith("atlasflow aggregate: error: csv_prefix") and "is a folder" in err and "/aggregate" in err
+    assert not out.exists() and not list(tmp_path.rglob(".*.csv")) and not list(tmp_path.rglob("*.csv"))
+
+
+def test_csv_paths_given_one_per_function(client, tmp_path, capsys):
+    raw, groups = _small_inputs(tmp_path)
+    out = tmp_path / "agg.zarr"
+    paths = [tmp_path / "x" / "counts.sum.csv", tmp_path / "y" / "avg.mean.csv"]
+    rc = run_stage(client, "--input", raw, "--groups-store", groups, "--output", out, "--func", "mean", "sum",
+                   "--csv", *paths, "--csv-prefix", tmp_path / "ignored")
+    assert rc == 0 and all(p.is_file() for p in paths) and not list(tmp_path.glob("ignored*"))
+    rc = run_stage(client, "--input", raw, "--groups-store", groups, "--output", tmp_path / "b.zarr",
+                   "--func", "mean", "sum", "--csv", paths[0])
+    assert rc == 1 and "0 of the paths" in capsys.readouterr().err and not (tmp_path / "b.zarr").exists()
+
+
+SNAKEFILE = Path(__file__).resolve().parents[1] / "workflow" / "Snakefile"
+PROFILE = SNAKEFILE.parents[1] / "profiles" / "default"
+
+
+def _snakemake(workdir: Path, config: dict, *args: str):
+    import subprocess
+    import sys
+
+    import yaml
+
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
+           "--cores", "2", "--workflow-profile", str(PROFILE), *args, "--configfile", str(workdir / "config.yaml")]
+    return subprocess.run(cmd, cwd=workdir, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
+
+
+@pytest.mark.workflow
+def test_workflow_writes_the_csvs_its_rule_declares(client, tmp_path):
+    """Through the snakemake CLI: with csv_prefix set, the rule declares <prefix>.<func>.csv per function and
+    the stage writes exactly those (was: MissingOutputException); a folder prefix stops the run at once.
+
+    Only the aggregate rule runs (--allowed-rules), on filter/leiden stores written by the test."""
+    config = {
+        "datasets": {"tiny": {"simulate": {"n_cells": 600, "n_genes": 300, "n_cell_types": 4}}},
+        "resources": {"default": {"threads": 1, "mem_mb": 1000, "runtime": 10}},
+        "dask": {"address": client.scheduler.address},
+        "aggregate": {"by": ["sample", "leiden"], "func": ["sum", "count_nonzero"],
+                      "csv_prefix": "results/{dataset}/tables/pseudobulk"},
+    }
+    _small_inputs(tmp_path / "results" / "tiny")
+    proc = _snakemake(tmp_path, config, "results/tiny/aggregate.zarr", "--allowed-rules", "aggregate")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    tables = tmp_path / "results" / "tiny" / "tables"
+    assert sorted(p.name for p in tables.glob("*.csv")) == ["pseudobulk.count_nonzero.csv", "pseudobulk.sum.csv"]
+    assert (tmp_path / "results" / "tiny" / "aggregate.zarr").is_dir()
+    assert not list(tmp_path.rglob(".*.csv")) and not list((tmp_path / "results" / "tiny").glob("aggregate.*.csv"))
+    summary = json.loads((tmp_path / "results" / "tiny" / "aggregate.json").read_text())
+    assert summary["csv"] == {"sum": "results/tiny/tables/pseudobulk.sum.csv",
+                              "count_nonzero": "results/tiny/tables/pseudobulk.count_nonzero.csv"}
+    for prefix, words in (("tables/", "is a folder"), ("tables/pseudobulk", "must contain {dataset}")):
+        config["aggregate"]["csv_prefix"] = prefix
+        proc = _snakemake(tmp_path, config, "--dry-run")
+        assert proc.returncode != 0 and f"config.aggregate.csv_prefix: {prefix!r}" in proc.stdout, proc.stdout
+        assert words in proc.stdout and "Traceback" not in proc.stdout, proc.stdout

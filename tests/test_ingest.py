@@ -374,6 +374,79 @@ def test_row_buckets_rebuild_blocks(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# counts beyond float32's exact integers (2**24): X is written as float64, never rounded
+
+BIG = 2**25 + 1  # 33554433: float32 would store 33554432
+
+
+def _big_source(cell=41) -> tuple[Source, int, int]:
+    """The source with one count of BIG at a Gene Expression entry of a late cell (blocks are out by then)."""
+    s = Source()
+    s.x = s.x.astype(np.float64)
+    lo, hi = s.x.indptr[cell], s.x.indptr[cell + 1]
+    pos = next(p for p in range(lo, hi) if s.gex[s.x.indices[p]] and s.x.data[p] != 0)
+    s.x.data[pos] = BIG
+    return s, cell, int(s.x.indices[pos])
+
+
+@pytest.mark.parametrize("fmt", ["h5_v3", "mtx_v3_gz", "mtx_v2_gz_gene_sorted", "h5ad_csr", "h5ad_csc",
+                                 "h5ad_dense", "zarr_csr", "sample_sheet"])
+def test_counts_beyond_float32_are_stored_exactly(fmt, tmp_path, capsys):
+    big, cell, gene = _big_source()
+    if fmt == "sample_sheet":  # the large count in the second sample, after the first is written
+        write_h5_v3(tmp_path / "a.h5", Source())
+        write_mtx(tmp_path / "b", big)
+        argv = ["--sample-sheet", _sheet(tmp_path, [["s1", "a.h5"], ["s2", "b"]], ("sample", "path"))]
+        expected = sp.vstack([Source().expected(), big.expected()]).tocsr()
+    else:
+        argv = ["--input", FORMATS[fmt](tmp_path, big)]
+        expected = big.expected()
+    out = tmp_path / "o.zarr"
+    assert run_ingest(*argv, "--output", out, "--chunk-rows", 10) == 0
+    x = ad.read_zarr(out).X
+    assert x.dtype == np.float64
+    assert x.max() == BIG and (x != expected).nnz == 0  # every count as given
+    why = [line for line in capsys.readouterr().err.splitlines() if "storing X as float64" in line]  # the log
+    assert len(why) == 1 and f"value {BIG}" in why[0] and big.barcodes[cell] in why[0], why
+    assert repr(str(big.symbols[gene])) in why[0]
+    assert json.loads(out.with_suffix(".json").read_text())["x_dtype"] == "float64"
+    assert not list(tmp_path.glob(".o.zarr*"))
+
+
+def test_counts_within_float32_stay_float32(src, tmp_path):
+    s = Source()
+    s.x = s.x.astype(np.float64)
+    s.x.data[s.x.data > 0] = 2**24  # the largest count float32 holds with all below it
+    out = tmp_path / "o.zarr"
+    summary = ingest.ingest([ingest.Sample(None, _h5ad(tmp_path / "a.h5ad", s, "X", "csr"))], out, chunk_rows=10)
+    assert summary["x_dtype"] == "float32" and ad.read_zarr(out).X.dtype == np.float32
+
+
+def test_float64_counts_go_through_qc_and_normalize(client, tmp_path):
+    """The stages after ingest read float64 counts as they read float32 ones (qc, then normalize)."""
+    from atlasflow.stages import normalize as normalize_stage
+    from atlasflow.stages import qc as qc_stage
+
+    big, _, _ = _big_source()
+    raw = tmp_path / "raw.zarr"
+    assert run_ingest("--input", write_h5_v3(tmp_path / "m.h5", big), "--output", raw, "--chunk-rows", 10) == 0
+    address = ["--address", client.scheduler.address]
+    assert stage_main(qc_stage, argv=["--input", str(raw), "--output", str(tmp_path / "qc.zarr"),
+                                      "--percent-top", "5", *address]) == 0
+    assert stage_main(normalize_stage, argv=["--input", str(tmp_path / "qc.zarr"), "--output",
+                                             str(tmp_path / "norm.zarr"), "--target-sum", "10000", *address]) == 0
+    counts = big.expected()
+    totals = np.asarray(counts.sum(axis=1)).ravel()
+    qc = ad.read_zarr(tmp_path / "qc.zarr")
+    assert qc.X.dtype == np.float64 and (qc.X != counts).nnz == 0
+    # qc keeps its metrics float32 (as scanpy does for float32 X), so a total beyond 2**24 is rounded there
+    np.testing.assert_allclose(qc.obs["total_counts"].to_numpy(), totals, rtol=1e-7)
+    norm = ad.read_zarr(tmp_path / "norm.zarr").X
+    ref = sp.diags(np.divide(1e4, totals, out=np.zeros_like(totals), where=totals > 0)) @ counts
+    np.testing.assert_allclose(norm.toarray(), ref.toarray(), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
 # sample sheets
 
 
@@ -441,6 +514,58 @@ def test_bad_sample_sheets(rows, columns, message, src, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def _same_input_twice(tmp_path, how):
+    """A sheet listing one input under samples a and b, the second time as ``how`` spells it."""
+    import os
+    import shutil
+
+    write_h5_v3(tmp_path / "in.h5", Source())
+    write_mtx(tmp_path / "m", Source())
+    first, second = "in.h5", {
+        "same_path": "in.h5",
+        "absolute_path": str(tmp_path / "sub" / ".." / "in.h5"),
+        "symlink": "link.h5",
+        "hard_link": "hard.h5",
+        "copy": "copy.h5",
+        "mtx_file_and_folder": "m/matrix.mtx.gz",
+    }[how]
+    (tmp_path / "sub").mkdir()
+    if how == "mtx_file_and_folder":
+        first = "m"
+    (tmp_path / "link.h5").symlink_to(tmp_path / "in.h5")
+    os.link(tmp_path / "in.h5", tmp_path / "hard.h5")
+    shutil.copy2(tmp_path / "in.h5", tmp_path / "copy.h5")  # same size, content and modification time
+    return _sheet(tmp_path, [["a", first], ["b", second]], ("sample", "path"))
+
+
+@pytest.mark.parametrize("how", ["same_path", "absolute_path", "symlink", "hard_link", "copy", "mtx_file_and_folder"])
+def test_same_input_under_two_names_is_refused(how, tmp_path, capsys):
+    sheet = _same_input_twice(tmp_path, how)
+    with pytest.raises(InputError, match=r"samples a and b (are the same|look like copies).*list each input once"):
+        read_sample_sheet(sheet)
+    out = tmp_path / "o.zarr"
+    assert run_ingest("--sample-sheet", sheet, "--output", out) == 1
+    assert not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("atlasflow ingest: error: sample sheet") and "samples a and b" in err[-1]
+
+
+def test_files_alike_in_size_and_time_are_not_copies(tmp_path):
+    """Two samples whose files have the same size and modification time but other content are accepted."""
+    import os
+
+    s1, s2 = Source(seed=1), Source(seed=1)
+    s2.x = s2.x.copy()
+    s2.x.data = np.where(s2.x.data > 0, s2.x.data % 7 + 1, 0).astype(np.float32)  # other counts, same layout
+    write_h5_v3(tmp_path / "a.h5", s1)
+    write_h5_v3(tmp_path / "b.h5", s2)
+    assert (tmp_path / "a.h5").stat().st_size == (tmp_path / "b.h5").stat().st_size
+    stamp = (tmp_path / "a.h5").stat().st_mtime_ns
+    os.utime(tmp_path / "b.h5", ns=(stamp, stamp))
+    samples = read_sample_sheet(_sheet(tmp_path, [["a", "a.h5"], ["b", "b.h5"]], ("sample", "path")))
+    assert [s.name for s in samples] == ["a", "b"]
+
+
 # --------------------------------------------------------------------------------------------------
 # bad inputs: one-line InputError, exit code 1, no output
 
@@ -496,7 +621,31 @@ def _unknown_dir(tmp_path, src):
     return tmp_path / "stuff"
 
 
+def _truncated(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # an interrupted copy
+    return path
+
+
+def _mtx_empty_symbol(tmp_path, src):
+    s = Source()
+    s.symbols = s.symbols.copy()
+    s.symbols[4] = ""
+    return write_mtx(tmp_path / "m", s)
+
+
+def _h5_missing_id(tmp_path, src):
+    s = Source()
+    s.ids = s.ids.copy()
+    s.ids[6] = " "
+    return write_h5_v3(tmp_path / "m.h5", s)
+
+
 BAD = {
+    "h5_truncated": (lambda t, s: _truncated(write_h5_v3(t / "m.h5", s)), [], r"truncated HDF5 file \(\d+ of its \d+ bytes"),
+    "h5ad_truncated": (lambda t, s: _truncated(_h5ad(t / "a.h5ad", s, "X", "csr")), [], "truncated HDF5 file"),
+    "empty_gene_symbol": (_mtx_empty_symbol, [], r"feature row 5 .*'ENSG000004'.* empty gene_symbols.*--var-names"),
+    "empty_gene_id": (_h5_missing_id, [], r"feature row 7 .* empty gene_ids"),
     "non_integer": (lambda t, s: _values(t, s, 2.5), [], "non-integer value 2.5.*--allow-normalized"),
     "negative": (lambda t, s: _values(t, s, -3.0), [], "negative value -3.0"),
     "nan": (lambda t, s: _values(t, s, np.nan), ["--allow-normalized"], "NaN or infinite"),
@@ -525,8 +674,10 @@ def test_bad_inputs_fail_cleanly(case, src, tmp_path, capsys):
     out = tmp_path / "out" / "raw.zarr"
     assert run_ingest("--input", data, "--output", out, *extra) == 1
     assert not out.exists() and not list(out.parent.glob(".raw.zarr*"))
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("atlasflow ingest: error:")]
+    stderr = capsys.readouterr().err
+    err = [line for line in stderr.splitlines() if line.startswith("atlasflow ingest: error:")]
     assert len(err) == 1
+    assert "Traceback" not in stderr
     with pytest.raises(InputError, match=message):
         opts = {"layer": "spliced" if "spliced" in extra else ("x" if "--layer" in extra else None),
                 "use_raw": "--use-raw" in extra, "allow_normalized": "--allow-normalized" in extra}

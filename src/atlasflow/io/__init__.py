@@ -11,14 +11,24 @@ from pathlib import Path
 import h5py
 
 from atlasflow.errors import InputError
-from atlasflow.io._blocks import ENTRIES_PER_STEP, CountCheck, Reader, RestartStream, clean_block
+from atlasflow.io._blocks import (
+    ENTRIES_PER_STEP,
+    FLOAT32_EXACT,
+    CountCheck,
+    NeedsFloat64,
+    Reader,
+    RestartStream,
+    clean_block,
+    h5_open_error,
+)
 from atlasflow.io.anndata_in import AnnDataReader
 from atlasflow.io.samplesheet import Sample, read_sample_sheet
 from atlasflow.io.tenx import MTX_NAMES, TenxH5Reader, TenxMtxReader, is_mtx_dir
 
 __all__ = [
-    "AnnDataReader", "CountCheck", "Reader", "RestartStream", "Sample", "TenxH5Reader", "TenxMtxReader",
-    "clean_block", "detect_format", "open_input", "read_sample_sheet",
+    "FLOAT32_EXACT", "AnnDataReader", "CountCheck", "NeedsFloat64", "Reader", "RestartStream", "Sample",
+    "TenxH5Reader", "TenxMtxReader", "clean_block", "detect_format", "h5_open_error", "open_input",
+    "read_sample_sheet",
 ]
 
 FORMATS = "a 10x .h5, a 10x matrix.mtx folder, an .h5ad file or an AnnData .zarr store"
@@ -40,7 +50,11 @@ def detect_format(path: str | Path) -> tuple[str, Path]:
     if path.name in MTX_NAMES:
         return "10x_mtx", path.parent
     if h5py.is_hdf5(path):
-        with h5py.File(path, "r") as f:
+        try:
+            f = h5py.File(path, "r")
+        except OSError as exc:
+            raise h5_open_error(path, exc) from None
+        with f:
             return ("h5ad" if "obs" in f and "var" in f else "10x_h5"), path
     if path.suffix in (".h5", ".h5ad", ".hdf5"):
         raise InputError(f"{path}: not an HDF5 file")

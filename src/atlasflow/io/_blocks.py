@@ -3,11 +3,19 @@
 A reader knows its cells (obs) and features (var) up front and streams the matrix as CSR row blocks
 (cells x all features, any dtype). ``clean_block`` turns each raw block into what the store holds
 (selected columns, float32, sorted indices, no explicit zeros) and checks the values on the way.
+
+Counts are stored as float32 (the scanpy convention) while they fit it exactly: float32 holds every
+integer up to 2**24 (FLOAT32_EXACT). A block with a larger value raises ``NeedsFloat64`` (before anything
+of it is written), and the stage writes X again from the start as float64, so a count is never rounded.
+Real counts almost never come near 2**24, so the usual case stays one streaming pass; the rare input
+that does costs the pass up to that block once more. (No input format records its largest value, and a
+first pass just for the maximum would read every input twice.)
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -29,8 +37,16 @@ DENSE_BYTES = 64 << 20
 VAR_COLUMNS = ("gene_ids", "gene_symbols", "feature_types", "genome")
 
 
+#: Largest integer up to which float32 holds every integer exactly (a 24-bit significand).
+FLOAT32_EXACT = 1 << 24
+
+
 class RestartStream(Exception):  # noqa: N818 - a signal, not an error shown to users
     """Raised by a reader that found, too late, that it must read its input another way; retry the stream."""
+
+
+class NeedsFloat64(Exception):  # noqa: N818 - a signal, not an error shown to users
+    """A value above FLOAT32_EXACT met while X is written as float32: write X again, as float64."""
 
 
 class Reader:
@@ -56,15 +72,32 @@ class Reader:
         raise NotImplementedError
 
 
+def h5_open_error(path: Path, exc: OSError) -> InputError:
+    """One line for an HDF5 file (10x .h5, .h5ad) that h5py cannot open: truncated, damaged or not HDF5."""
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "truncated" in msg.lower():
+        sizes = re.search(r"\beof = (\d+).*stored_eof = (\d+)", msg)
+        size = f" ({sizes[1]} of its {sizes[2]} bytes)" if sizes else ""
+        return InputError(f"{path}: truncated HDF5 file{size}; an interrupted copy or download? Copy it again")
+    return InputError(f"{path}: not a readable HDF5 file (damaged, or not HDF5: {msg})")
+
+
 def make_var(ids, symbols=None, feature_types=None, genome=None) -> pd.DataFrame:
-    """The reader-side var table: strings for ids/symbols (symbols default to ids), optional columns."""
-    ids = pd.Series(ids, dtype=object).astype(str).to_numpy()
-    cols = {"gene_ids": ids, "gene_symbols": ids if symbols is None else pd.Series(symbols).astype(str).to_numpy()}
+    """The reader-side var table: strings for ids/symbols (symbols default to ids), optional columns.
+
+    A missing id or symbol (NaN/None, e.g. from an h5ad column) becomes "" (ingest refuses empty names)."""
+    ids = _names(ids)
+    cols = {"gene_ids": ids, "gene_symbols": ids if symbols is None else _names(symbols)}
     if feature_types is not None:
         cols["feature_types"] = pd.Series(feature_types).astype(str).to_numpy()
     if genome is not None:
         cols["genome"] = pd.Series(genome).astype(str).to_numpy()
     return pd.DataFrame(cols)
+
+
+def _names(values) -> np.ndarray:
+    series = pd.Series(np.asarray(values, dtype=object), dtype=object)
+    return series.where(series.notna(), "").astype(str).to_numpy()
 
 
 def bounds(n_rows: int, chunk_rows: int) -> list[tuple[int, int]]:
@@ -184,8 +217,12 @@ class CountCheck:
             self.warned = True
 
 
-def clean_block(block, n_cols: int, cols: np.ndarray | None, check: CountCheck, row0: int) -> sp.csr_matrix:
-    """Canonical float32 CSR of the selected columns, explicit zeros removed, values checked."""
+def clean_block(block, n_cols: int, cols: np.ndarray | None, check: CountCheck, row0: int,
+                dtype=np.float32) -> sp.csr_matrix:
+    """Canonical CSR (``dtype``) of the selected columns, explicit zeros removed, values checked.
+
+    With ``dtype`` float32, a value beyond FLOAT32_EXACT in magnitude raises ``NeedsFloat64`` naming it.
+    """
     block = sp.csr_matrix(block)
     if block.shape[1] != n_cols:
         raise InputError(f"{check.reader.label}: a block has {block.shape[1]} columns, expected {n_cols}")
@@ -194,4 +231,21 @@ def clean_block(block, n_cols: int, cols: np.ndarray | None, check: CountCheck, 
     check(block, row0)
     block.sum_duplicates()
     block.eliminate_zeros()
-    return block.astype(np.float32, copy=False)
+    if np.dtype(dtype) == np.float32 and block.nnz and block.dtype != np.float32:
+        big = np.abs(block.data) > FLOAT32_EXACT
+        if big.any():
+            raise NeedsFloat64(_too_big(block, big, cols, check, row0))
+    return block.astype(dtype, copy=False)
+
+
+def _too_big(block: sp.csr_matrix, big: np.ndarray, cols, check: CountCheck, row0: int) -> str:
+    """Names the largest value beyond float32's exact range and where it is."""
+    data = np.abs(block.data)
+    pos = int(np.flatnonzero(big)[np.argmax(data[big])])
+    row = int(np.searchsorted(block.indptr, pos, side="right") - 1)
+    col = int(block.indices[pos])
+    gene = check.reader.var["gene_symbols"].iloc[int(cols[col]) if cols is not None else col]
+    value = block.data[pos]
+    value = int(value) if float(value).is_integer() else float(value)
+    return (f"{check.reader.label}: value {value} (cell {check.reader.obs.index[row0 + row]!r}, gene {gene!r}) "
+            f"exceeds 2**24 = {FLOAT32_EXACT}, the largest integer float32 holds exactly; storing X as float64")

@@ -27,6 +27,7 @@ from atlasflow.io._blocks import (
     bounds,
     check_csr_parts,
     dense_rows,
+    h5_open_error,
     make_var,
 )
 
@@ -96,9 +97,12 @@ class AnnDataReader(Reader):
     def open(self, path: Path | None = None):
         """The root group (h5py file or zarr group) as a context manager."""
         path = path or self.path
-        try:
-            if self.fmt == "h5ad":
+        if self.fmt == "h5ad":
+            try:
                 return h5py.File(path, "r")
+            except OSError as exc:
+                raise h5_open_error(path, exc) from None
+        try:
             return contextlib.nullcontext(zarr.open_group(str(path), mode="r"))
         except Exception as exc:  # noqa: BLE001 - h5py/zarr raise several types for unreadable files
             raise InputError(f"{path}: not a readable {self.fmt} file ({exc})") from exc

@@ -29,6 +29,7 @@ from atlasflow.io._blocks import (
     bounds,
     check_csr_parts,
     coo_block,
+    h5_open_error,
     make_var,
 )
 
@@ -93,7 +94,7 @@ class TenxH5Reader(Reader):
         try:
             f = h5py.File(path, "r")
         except OSError as exc:
-            raise InputError(f"{path}: not a readable HDF5 file ({exc})") from exc
+            raise h5_open_error(path, exc) from None
         with f:
             self.group, self.layout = _h5_group(f, path, genome)
             g = f[self.group]

@@ -12,7 +12,12 @@ Reading a file is sequential, so this stage runs without Dask: each input is str
 * several samples (a sample sheet): every input must have the same genes (same ids, possibly in another
   order, which is then aligned to the first sample's order), else an error names the sample; cell names
   are always prefixed ``<sample>_`` when there is more than one sample, and any names still duplicated
-  are made unique; ``obs["sample"]`` is a categorical and the sheet's metadata columns are copied to obs.
+  are made unique; ``obs["sample"]`` is a categorical and the sheet's metadata columns are copied to obs;
+* gene names: an empty (or missing) gene id, or an empty name in the column that becomes the var index,
+  is refused naming the feature row;
+* X is float32 while every value fits it exactly (integers up to 2**24); a larger count makes the stage
+  write X again from the start as float64 (one log line says which value, cell and gene), so no count is
+  ever rounded. One streaming pass when the counts fit float32 (real data), at most one more otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from atlasflow.errors import AtlasflowError, ConfigError, InputError
 from atlasflow.io import (
     ENTRIES_PER_STEP,
     CountCheck,
+    NeedsFloat64,
     Reader,
     RestartStream,
     Sample,
@@ -115,7 +121,7 @@ def ingest(samples: list[Sample] | str | Path, output, *, chunk_rows: int = DEFA
     single_unnamed = len(parts) == 1 and parts[0].sample is None
     if single_unnamed:
         parts[0].sample = _default_sample_name(parts[0].reader)
-    var, dropped = _align_features(parts, all_features, genome)
+    var, dropped = _align_features(parts, all_features, genome, var_names)
     var, renamed_vars = _name_vars(var, var_names)
     obs, renamed_cells = _build_obs(parts, keep_sample_column=single_unnamed)
     provenance = {
@@ -124,10 +130,10 @@ def ingest(samples: list[Sample] | str | Path, output, *, chunk_rows: int = DEFA
         "inputs": [{"sample": p.sample, "path": str(Path(p.reader.path).resolve()), "format": p.reader.kind,
                     "element": p.reader.label} for p in parts],
     }
-    nnz = _write(output, obs, var, parts, chunk_rows, allow_normalized, provenance)
+    nnz, dtype = _write(output, obs, var, parts, chunk_rows, allow_normalized, provenance)
     return {
         "cells_in": int(sum(p.reader.shape[0] for p in parts)), "genes_in": int(parts[0].reader.shape[1]),
-        "cells_out": int(obs.shape[0]), "genes_out": int(var.shape[0]), "nnz": int(nnz),
+        "cells_out": int(obs.shape[0]), "genes_out": int(var.shape[0]), "nnz": int(nnz), "x_dtype": dtype,
         "samples": {p.sample: int(p.reader.shape[0]) for p in parts},
         "formats": {p.sample: p.reader.kind for p in parts},
         "features_dropped": dropped,
@@ -136,19 +142,23 @@ def ingest(samples: list[Sample] | str | Path, output, *, chunk_rows: int = DEFA
     }
 
 
-def _write(output, obs, var, parts: list[Part], chunk_rows: int, allow_normalized: bool, provenance: dict) -> int:
-    """The store, atomically: obs/var by anndata, X streamed, bookkeeping as ``write_store`` keeps it."""
+def _write(output, obs, var, parts: list[Part], chunk_rows: int, allow_normalized: bool,
+           provenance: dict) -> tuple[int, str]:
+    """The store, atomically: obs/var by anndata, X streamed, bookkeeping as ``write_store`` keeps it.
+
+    Returns the non-zeros and the dtype of X."""
     with atomic_dir(output) as tmp:
         ad.AnnData(obs=obs, var=var).write_zarr(tmp)
         for p in parts:
             p.reader.spill_dir = tmp / ".spill"  # unsorted entries spill beside the store, removed on failure
-        nnz = _write_x(tmp, parts, (obs.shape[0], var.shape[0]), chunk_rows, allow_normalized)
+        nnz, dtype = _write_x(tmp, parts, (obs.shape[0], var.shape[0]), chunk_rows, allow_normalized)
         shutil.rmtree(tmp / ".spill", ignore_errors=True)
         root = zarr.open_group(str(tmp), mode="r+")
         root.attrs[META_KEY] = {"store_id": uuid.uuid4().hex, "chunk_rows": chunk_rows, "provenance": provenance}
         zarr.consolidate_metadata(str(tmp))
-    log.info("ingest: wrote %s: %d cells x %d genes, %d non-zeros", output, obs.shape[0], var.shape[0], nnz)
-    return nnz
+    log.info("ingest: wrote %s: %d cells x %d genes, %d non-zeros (%s)", output, obs.shape[0], var.shape[0], nnz,
+             dtype)
+    return nnz, dtype
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,12 +194,31 @@ def _feature_mask(reader: Reader, all_features: bool, genome: str | None) -> tup
     return keep, {str(k): int(v) for k, v in dropped.items()}
 
 
-def _align_features(parts: list[Part], all_features: bool, genome: str | None) -> tuple[pd.DataFrame, dict]:
+def _check_names(reader: Reader, idx: np.ndarray, var_names: str) -> None:
+    """Refuse a kept feature without a gene id or without the name that becomes its var name."""
+    for col in dict.fromkeys(("gene_ids", var_names)):
+        values = reader.var[col].iloc[idx].astype(str).str.strip()
+        empty = np.flatnonzero((values == "").to_numpy())
+        if empty.size:
+            row = int(idx[empty[0]])
+            other = "gene_symbols" if col == "gene_ids" else "gene_ids"
+            more = f" ({empty.size} such rows in all)" if empty.size > 1 else ""
+            hint = " or --var-names gene_ids" if col == "gene_symbols" else ""
+            raise InputError(
+                f"{reader.label}: feature row {row + 1} (of {reader.shape[1]}, counting from 1; "
+                f"{other} {reader.var[other].iloc[row]!r}) has an empty {col}{more}; "
+                f"give every gene a name in the input{hint}"
+            )
+
+
+def _align_features(parts: list[Part], all_features: bool, genome: str | None,
+                    var_names: str = "gene_symbols") -> tuple[pd.DataFrame, dict]:
     """Var of the store (the first sample's kept features); every part's ``cols`` in that order."""
     ref_var, dropped = None, {}
     for part in parts:
         keep, part_dropped = _feature_mask(part.reader, all_features, genome)
         idx = np.flatnonzero(keep)
+        _check_names(part.reader, idx, var_names)
         var = part.reader.var.iloc[idx].reset_index(drop=True)
         if ref_var is None:
             ref_var, dropped = var, part_dropped
@@ -286,12 +315,12 @@ def _tidy_obs(obs: pd.DataFrame) -> pd.DataFrame:
 # matrix
 
 
-def _blocks(parts: list[Part], chunk_rows: int, allow_normalized: bool):
-    """Clean, checked CSR blocks of every part in turn."""
+def _blocks(parts: list[Part], chunk_rows: int, allow_normalized: bool, dtype=np.float32):
+    """Clean, checked CSR blocks (``dtype``) of every part in turn."""
     for part in parts:
         reader, check, row0 = part.reader, CountCheck(part.reader, allow_normalized), 0
-        for raw in reader.raw_blocks(chunk_rows):
-            block = clean_block(raw, reader.shape[1], part.cols, check, row0)
+        for raw in _reading(reader, reader.raw_blocks(chunk_rows)):
+            block = clean_block(raw, reader.shape[1], part.cols, check, row0, dtype)
             row0 += block.shape[0]
             yield block
         if row0 != reader.shape[0]:
@@ -299,14 +328,44 @@ def _blocks(parts: list[Part], chunk_rows: int, allow_normalized: bool):
         log.info("ingest: read %s (%s, sample %s): %d cells", reader.label, reader.kind, part.sample, row0)
 
 
-def _write_x(tmp: Path, parts: list[Part], shape, chunk_rows: int, allow_normalized: bool) -> int:
-    """Stream X into the store; once more from the start if a reader had to switch how it reads."""
-    for attempt in range(2):
+def _reading(reader: Reader, blocks):
+    """The reader's blocks; a library error while reading the file (h5py/zarr: no errno) as one line."""
+    it = iter(blocks)
+    try:
+        while True:
+            try:
+                raw = next(it)
+            except StopIteration:
+                return
+            except OSError as exc:
+                if exc.errno is not None:  # the system's own errors (disk full while spilling ...) stay as they are
+                    raise
+                msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise InputError(f"{reader.label}: unreadable, the file is damaged or truncated ({msg})") from None
+            yield raw
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()  # the reader's files and spill folders, now, not when garbage collected
+
+
+def _write_x(tmp: Path, parts: list[Part], shape, chunk_rows: int, allow_normalized: bool) -> tuple[int, str]:
+    """Stream X into the store, as float32 unless a value needs float64; returns (non-zeros, dtype).
+
+    The stream starts again from the first block when a reader had to switch how it reads (once), or
+    when a value beyond float32's exact integers appeared (once: X is then float64).
+    """
+    dtype, restarted = np.dtype(np.float32), False
+    while True:
         try:
-            return write_csr_blocks(tmp, "X", _blocks(parts, chunk_rows, allow_normalized), shape)
+            nnz = write_csr_blocks(tmp, "X", _blocks(parts, chunk_rows, allow_normalized, dtype), shape)
+            return nnz, dtype.name
         except RestartStream as exc:
-            if attempt:
+            if restarted:
                 raise AtlasflowError(f"could not stream X: {exc}") from exc
+            restarted = True
             log.info("%s", exc)
-            shutil.rmtree(tmp / "X", ignore_errors=True)
-    raise AssertionError("unreachable")
+        except NeedsFloat64 as exc:
+            log.warning("%s", exc)
+            dtype = np.dtype(np.float64)
+        shutil.rmtree(tmp / "X", ignore_errors=True)
