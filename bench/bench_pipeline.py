@@ -109,12 +109,15 @@ class Sampler(threading.Thread):
 
     def _processes(self) -> list[psutil.Process]:
         roots = [self.root]
-        if self.pids_file is not None and self.pids_file.exists():
+        files = [] if self.pids_file is None else (sorted(self.pids_file.glob("run-*/scheduler.pids.json"))
+                                                   if self.pids_file.is_dir() else [self.pids_file])
+        for pids_file in files:  # a folder: the shared clusters' records, one per run (.snakemake/atlasflow)
             try:
-                pids = json.loads(self.pids_file.read_text())
-                roots += [pids["scheduler"], *pids["workers"]]
-            except (ValueError, KeyError):
-                pass
+                pids = json.loads(pids_file.read_text())
+                entries = [pids.get("watchdog"), pids["scheduler"], *pids["workers"]]
+            except (OSError, ValueError, KeyError):
+                continue
+            roots += [e["pid"] if isinstance(e, dict) else e for e in entries if e]
         procs = {}  # by pid: the workflow's shared cluster is also in Snakemake's tree, count it once
         for pid in roots:
             try:
@@ -234,7 +237,7 @@ def staged(n: int, work: Path, args) -> dict:
            "--directory", str(work), "--cores", str(args.workers), "--workflow-profile",
            str(ROOT / "profiles" / "default"), "--configfile", str(work / "config.yaml")]
     rc, sampler, wall = run_sampled(cmd, work / "snakemake.log",
-                                    pids_file=work / ".snakemake" / "atlasflow" / "scheduler.pids.json")
+                                    pids_file=work / ".snakemake" / "atlasflow")
     if rc != 0:
         raise RuntimeError(f"snakemake failed (exit {rc}); see {work / 'snakemake.log'}")
     steps = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -142,3 +143,94 @@ def test_workers_get_one_blas_thread_whatever_the_job_exports(monkeypatch, tmp_p
     finally:
         shared_cluster.stop(sfile)
     assert per_worker and all(threads and set(threads) == {1} for threads in per_worker.values()), per_worker
+
+
+# ------------------------------------------------------------------------------------------ bad input, one line
+
+
+def _stage_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err, "no error shown"
+    return err[-1]
+
+
+def test_garbage_scheduler_file_is_one_line(tmp_path, capsys):
+    """A scheduler file that is not one (not JSON, or JSON without "type": "Scheduler" and "address") is one
+    line naming the file, exit 1, no output (Dask itself raised a bare AssertionError)."""
+    for content in ("this is not a scheduler file\n", json.dumps({"type": "Worker", "address": "tcp://x:1"})):
+        sfile = tmp_path / "garbage.json"
+        sfile.write_text(content)
+        out = tmp_path / "o.zarr"
+        t0 = time.time()
+        rc = stage_main(qc_stage, argv=["--input", str(tmp_path / "in.zarr"), "--output", str(out),
+                                        "--scheduler-file", str(sfile)])
+        err = _stage_error(capsys)
+        assert rc == 1 and time.time() - t0 < 10
+        assert f"{sfile} is not a Dask scheduler file" in err, err
+        assert "AssertionError" not in err and not out.exists()
+        assert sfile.read_text() == content
+
+
+def test_connect_timeout_that_is_not_a_duration(tmp_path):
+    """ATLASFLOW_CONNECT_TIMEOUT=banana: one line naming the variable, exit 1 (was a KeyError)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "qc.py"), "--input", str(tmp_path / "in.zarr"),
+                           "--output", str(tmp_path / "o.zarr"), "--address", "tcp://127.0.0.1:9"],
+                          env={**os.environ, "ATLASFLOW_CONNECT_TIMEOUT": "banana"}, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    err = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr
+    assert "ATLASFLOW_CONNECT_TIMEOUT='banana' is not a duration" in err, proc.stderr
+    assert "KeyError" not in proc.stderr and not (tmp_path / "o.zarr").exists()
+
+
+def test_bad_memory_limit_fails_before_starting(tmp_path, capsys):
+    """--memory-limit lots: one line naming --memory-limit at once, nothing started (the shared cluster
+    waited 60 s for workers that could not start, then left its scheduler running)."""
+    sfile = tmp_path / "run" / "scheduler.json"
+    t0 = time.time()
+    rc = shared_cluster.main(["start", "--scheduler-file", str(sfile), "--n-workers", "1", "--memory-limit", "lots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    try:
+        assert rc == 1 and time.time() - t0 < 5
+        assert len(err) == 1 and "--memory-limit" in err[0] and "'lots' is not a memory size" in err[0], err
+        assert not sfile.exists() and not sfile.with_suffix(".pids.json").exists()
+    finally:
+        shared_cluster.stop(sfile, quiet=True)
+    # a stage's own cluster likewise
+    rc = stage_main(qc_stage, argv=["--input", str(tmp_path / "in.zarr"), "--output", str(tmp_path / "o.zarr"),
+                                    "--n-workers", "1", "--memory-limit", "lots"])
+    err = _stage_error(capsys)
+    assert rc == 1 and "--memory-limit" in err and "'lots' is not a memory size" in err, err
+    from atlasflow.cluster import check_memory_limit
+
+    for ok in (None, "auto", "4GB", "4 GiB", "4000MB", 2_000_000_000, "0.5", 0):
+        assert check_memory_limit(ok) == ok
+
+
+def test_cluster_start_refuses_to_replace_a_foreign_file(tmp_path, capsys):
+    """`atlasflow cluster start --scheduler-file F` over an F (or F's .pids.json record) that is not what
+    Dask / atlasflow writes: one line, exit 1, the file untouched, nothing started."""
+    cases = [("notes.txt", "my notes\n", None), ("sched.json", json.dumps({"type": "Worker", "address": "x"}), None),
+             ("scheduler.json", None, "[1, 2, 3]\n")]
+    for name, content, pids_content in cases:
+        sfile = tmp_path / name
+        pids = sfile.with_suffix(".pids.json")
+        if content is not None:
+            sfile.write_text(content)
+        if pids_content is not None:
+            pids.write_text(pids_content)
+        t0 = time.time()
+        try:
+            rc = shared_cluster.main(["start", "--scheduler-file", str(sfile), "--n-workers", "1"])
+        finally:
+            if sfile.exists() and sfile.read_text() != content:
+                shared_cluster.stop(sfile, quiet=True)  # replaced after all: stop what was started
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and time.time() - t0 < 5, err
+        assert len(err) == 1 and "not replaced" in err[0], err
+        if content is not None:
+            assert sfile.read_text() == content and "is not a Dask scheduler file" in err[0], err
+            assert not pids.exists()
+        else:
+            assert pids.read_text() == pids_content and not sfile.exists()
+            assert "is not atlasflow's record of a cluster" in err[0], err

@@ -9,8 +9,10 @@ one single-threaded worker process per core of the allocation (``SLURM_CPUS_PER_
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from atlasflow.errors import ClusterError, ConfigError
 log = logging.getLogger(__name__)
 
 #: How long to wait for an existing scheduler before failing (a dead one must not hang a stage).
+#: Checked when used (`connect_timeout`): a value Dask cannot read is one line naming the variable.
 CONNECT_TIMEOUT = os.environ.get("ATLASFLOW_CONNECT_TIMEOUT", "10s")
 #: Environment of every worker process atlasflow starts: one BLAS/OpenMP thread per (single-threaded)
 #: worker. Snakemake exports OMP/OPENBLAS/MKL_NUM_THREADS = the job's threads, which workers would
@@ -45,6 +48,76 @@ def allocation_memory() -> int | None:
     if os.environ.get("SLURM_MEM_PER_CPU", "").isdigit():
         return int(os.environ["SLURM_MEM_PER_CPU"]) * 2**20 * allocation_cores()
     return None
+
+
+def connect_timeout() -> float:
+    """``CONNECT_TIMEOUT`` in seconds; a value Dask cannot read is a ConfigError naming the variable."""
+    from dask.utils import parse_timedelta
+
+    try:
+        seconds = parse_timedelta(CONNECT_TIMEOUT, default="seconds")
+    except (KeyError, ValueError, TypeError):
+        seconds = None
+    if seconds is None or not seconds > 0:
+        raise ConfigError(f"ATLASFLOW_CONNECT_TIMEOUT={CONNECT_TIMEOUT!r} is not a duration: give one such as 10s, "
+                          "30s or 2m")
+    return float(seconds)
+
+
+def check_memory_limit(value, name: str = "--memory-limit (dask.memory_limit)"):
+    """A per-worker memory limit as Dask reads it (None, auto, a number of bytes or a fraction, a size such
+    as 4GB), returned unchanged; anything else is a ConfigError naming ``name``, before any process starts.
+    (Dask would let every worker fail and the cluster wait for them until its timeout.)"""
+    if value is None or value == "auto":
+        return value
+    ok = False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        ok = value >= 0
+    elif isinstance(value, str) and value.strip():
+        from dask.utils import parse_bytes
+
+        try:
+            ok = float(value) >= 0
+        except ValueError:
+            try:
+                ok = parse_bytes(value) >= 0
+            except (ValueError, TypeError):
+                ok = False
+    if not ok:
+        raise ConfigError(f"{name}: {value!r} is not a memory size: give one such as 4GB or 4000MB, or auto")
+    return value
+
+
+def is_scheduler_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a scheduler file as Dask writes it: JSON with "type": "Scheduler" and an "address"."""
+    try:
+        info = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("type") == "Scheduler" and isinstance(info.get("address"), str)
+
+
+def read_scheduler_file(path: str | os.PathLike, wait: float = 1.0) -> dict:
+    """The content of a Dask scheduler file; one line naming the file when it is not one.
+
+    A scheduler writes its file without renaming it into place, so a file still empty or cut short is read
+    again for up to `wait` seconds before it counts as something else.
+    """
+    path = Path(path)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            info = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ClusterError(f"scheduler file {path} does not exist: start the scheduler first") from exc
+        except (OSError, ValueError):
+            info = None
+        if isinstance(info, dict) and info.get("type") == "Scheduler" and isinstance(info.get("address"), str):
+            return info
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{path} is not a Dask scheduler file (JSON with \"type\": \"Scheduler\" and its "
+                               "\"address\", as `dask scheduler --scheduler-file` writes it)")
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -82,11 +155,14 @@ def connect(
 
     scheduler_file = scheduler_file or os.environ.get("ATLASFLOW_SCHEDULER_FILE") or None
     if scheduler_file or address:
-        if scheduler_file and not Path(scheduler_file).exists():
-            raise ClusterError(f"scheduler file {scheduler_file} does not exist: start the scheduler first")
-        target = f"scheduler file {scheduler_file}" if scheduler_file else f"scheduler {address}"
+        timeout = connect_timeout()
+        if scheduler_file and not address:
+            address = read_scheduler_file(scheduler_file)["address"]
+            target = f"scheduler file {scheduler_file} ({address})"
+        else:
+            target = f"scheduler {address}"
         try:
-            client = Client(scheduler_file=scheduler_file, address=address, timeout=CONNECT_TIMEOUT)
+            client = Client(address=address, timeout=timeout)
         except (OSError, TimeoutError) as exc:
             raise ClusterError(f"cannot reach the Dask {target} within {CONNECT_TIMEOUT}: {exc}") from exc
         log.info("attached to %s (%d workers)", client.scheduler.address, len(client.scheduler_info()["workers"]))
@@ -96,6 +172,7 @@ def connect(
             client.close()
         return
 
+    check_memory_limit(memory_limit)
     if backend == "gpu":
         from atlasflow.gpu_cluster import local_cuda_cluster  # dask-cuda when installed, else one worker per GPU
 

@@ -374,18 +374,24 @@ def rule_runtime(stage):
 
 # ------------------------------------------------------------------------------------------ shared cluster
 
-#: Scheduler file of the per-run shared cluster (dask.shared_cluster), in the working directory.
-SHARED_SCHEDULER_FILE = Path(".snakemake", "atlasflow", "scheduler.json")
+#: Where the per-run shared clusters (dask.shared_cluster) keep their files, in the working directory: one
+#: folder per run, run-<pid>-<start>/ (scheduler.json, its .pids.json record, logs), so that two runs on
+#: different targets in one folder (Snakemake's lock allows them) never touch each other's cluster.
+SHARED_CLUSTER_DIR = Path(".snakemake", "atlasflow")
+#: Scheduler file of this run's shared cluster: set by start_shared_cluster(), None while it started none.
+SHARED_SCHEDULER_FILE = None
 
 
 def start_shared_cluster():
     """onstart: with dask.shared_cluster, one Dask cluster for every stage job of this (local) run.
 
-    Its scheduler file goes to the jobs through ATLASFLOW_SCHEDULER_FILE (local jobs inherit the
-    environment). Skipped, with a log line, where it cannot serve the jobs: under a cluster executor
-    (onstart runs on the submit host), when dask.scheduler_file/address already name a cluster, for the
-    gpu/auto backends, or when the stages run in another Python (conda/apptainer) or atlasflow is not
-    importable here.
+    Its scheduler file, in this run's own folder under SHARED_CLUSTER_DIR, goes to the jobs through
+    ATLASFLOW_SCHEDULER_FILE (local jobs inherit the environment). Its owner is this Snakemake process: a
+    watchdog stops the cluster within shared_cluster.ORPHAN_WITHIN_S seconds once the process is gone,
+    however it ended (SIGKILL included); the folders of runs that are gone are removed here. Skipped, with a
+    log line, where it cannot serve the jobs: under a cluster executor (onstart runs on the submit host),
+    when dask.scheduler_file/address already name a cluster, for the gpu/auto backends, or when the stages
+    run in another Python (conda/apptainer) or atlasflow is not importable here.
     """
     from snakemake.logging import logger
 
@@ -414,22 +420,49 @@ def start_shared_cluster():
     except ImportError as exc:
         logger.warning(f"atlasflow: dask.shared_cluster not started ({exc}): each stage starts its own cluster")
         return
+    from atlasflow.cluster import check_memory_limit
+    from atlasflow.errors import AtlasflowError
+
+    global SHARED_SCHEDULER_FILE
     n_workers = config["dask"]["n_workers"] or workflow.cores
     limit = config["dask"]["memory_limit"]
+    try:
+        check_memory_limit(limit, "dask.memory_limit (--memory-limit)")  # before any process starts
+    except AtlasflowError as exc:
+        raise WorkflowError(f"invalid configuration: {exc}") from None
     if limit in (None, "auto"):  # the run's mem_mb budget (--resources), else the machine, over the workers
         budget = getattr(workflow.global_resources.get("mem_mb"), "value", None)
         limit = int(budget * 1_000_000 if isinstance(budget, int) else MEMORY_LIMIT) // int(n_workers)
-    shared_cluster.start(SHARED_SCHEDULER_FILE, n_workers=int(n_workers), memory_limit=str(limit))
-    os.environ.update(ATLASFLOW_SCHEDULER_FILE=str(SHARED_SCHEDULER_FILE.resolve()))  # what the jobs attach to
-    logger.info(f"atlasflow: shared Dask cluster with {n_workers} workers ({SHARED_SCHEDULER_FILE})")
+    owner = os.getpid()  # this Snakemake process: its cluster ends when it does
+    shared_cluster.prune_runs(SHARED_CLUSTER_DIR)
+    scheduler_file = shared_cluster.run_dir(SHARED_CLUSTER_DIR, owner) / "scheduler.json"
+    try:
+        shared_cluster.start(scheduler_file, n_workers=int(n_workers), memory_limit=str(limit), owner_pid=owner)
+    except AtlasflowError as exc:
+        raise WorkflowError(f"atlasflow: the shared Dask cluster did not start: {exc}") from None
+    SHARED_SCHEDULER_FILE = scheduler_file
+    os.environ.update(ATLASFLOW_SCHEDULER_FILE=str(scheduler_file.resolve()))  # what the jobs attach to
+    logger.info(f"atlasflow: shared Dask cluster with {n_workers} workers ({scheduler_file})")
 
 
-def stop_shared_cluster():
-    """onsuccess/onerror: stop the cluster start_shared_cluster() started (nothing when there is none)."""
-    if os.environ.pop("ATLASFLOW_SCHEDULER_FILE", None) == str(SHARED_SCHEDULER_FILE.resolve()):
-        from atlasflow import shared_cluster
+def stop_shared_cluster(success=True):
+    """onsuccess/onerror: stop the cluster this run's start_shared_cluster() started, and no other.
 
-        shared_cluster.stop(SHARED_SCHEDULER_FILE, quiet=True)
+    After a success its folder goes too; after an error its logs stay (the next run removes them).
+    """
+    global SHARED_SCHEDULER_FILE
+    if SHARED_SCHEDULER_FILE is None:
+        return
+    scheduler_file, SHARED_SCHEDULER_FILE = SHARED_SCHEDULER_FILE, None
+    if os.environ.get("ATLASFLOW_SCHEDULER_FILE") == str(scheduler_file.resolve()):
+        os.environ.pop("ATLASFLOW_SCHEDULER_FILE")
+    import shutil
+
+    from atlasflow import shared_cluster
+
+    shared_cluster.stop(scheduler_file, quiet=True)
+    if success:
+        shutil.rmtree(scheduler_file.parent, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------ targets
