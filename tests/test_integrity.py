@@ -155,3 +155,13 @@ def test_shrunk_matrix_shape_attribute_is_caught(damaged):
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(StoreError, match="damaged: X"):
         open_store(pca)
+
+
+def test_corrupt_array_metadata_names_the_store(damaged, tmp_path, capsys):
+    logged = damaged("log1p")
+    (logged / "X" / "data" / "zarr.json").write_text('{"shape": [12, ')
+    out = tmp_path / "hvg.zarr"
+    rc = stage_main(hvg_stage, argv=["--input", str(logged), "--output", str(out), "--n-workers", "1"])
+    err = _err(capsys)
+    assert rc == 1 and str(logged) in err and "X/data" in err and "re-run" in err, err
+    assert not out.exists()

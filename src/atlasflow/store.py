@@ -656,7 +656,15 @@ def _stash_block(block, stash: str, block_info=None) -> np.ndarray:
 def save_npy(final: Path, arr: np.ndarray) -> None:
     """``np.save`` to a hidden sibling, then rename: a retried task replaces the file whole."""
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}.npy")
-    np.save(tmp, arr)
+    try:
+        np.save(tmp, arr)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno is None:  # numpy's tofile reports a short write as "N requested and M written", no errno
+            free = os.statvfs(final.parent)
+            if free.f_bavail * free.f_frsize < arr.nbytes + 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(final)) from exc
+        raise
     os.replace(tmp, final)
 
 
