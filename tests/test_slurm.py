@@ -216,7 +216,9 @@ def test_shared_cluster_run(reference, tmp_path):
     assert_same_as(tmp_path, reference)
     (address,) = schedulers
     assert not port_open(address), "the shared scheduler still runs after the workflow ended"
-    assert not (tmp_path / ".snakemake" / "atlasflow" / "scheduler.json").exists()
+    # the run's cluster folder (scheduler file, pids, logs) is removed after a success
+    assert not list((tmp_path / ".snakemake" / "atlasflow").glob("run-*")), \
+        list((tmp_path / ".snakemake" / "atlasflow").glob("run-*"))
 
 
 # ------------------------------------------------------------------------------------------ SLURM

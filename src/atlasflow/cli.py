@@ -15,6 +15,7 @@ script runs under Snakemake's ``script:`` directive, from the ``snakemake`` obje
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -90,6 +91,16 @@ def setup_logging(logfile: str | None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("distributed", "numba", "fsspec", "asyncio", "bokeh", "tornado"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    sched = logging.getLogger("distributed.scheduler")
+    if _cancelled_feed not in sched.filters:
+        sched.addFilter(_cancelled_feed)
+
+
+def _cancelled_feed(record: logging.LogRecord) -> bool:
+    """Drop the in-process scheduler's traceback of a progress feed cancelled when a stage ends or fails
+    (``asyncio.CancelledError`` in ``Scheduler.feed``): noise under the stage's own one-line result."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, asyncio.CancelledError)
 
 
 def peak_memory(client=None) -> dict:

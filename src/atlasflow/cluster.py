@@ -191,7 +191,9 @@ def connect(
                 processes=True,
                 memory_limit=memory_limit,
                 dashboard_address=":0",
-                silence_logs=logging.ERROR,
+                # CRITICAL: a failed task is raised in the stage (one line, traceback in its log); at ERROR
+                # every worker would also print its own multi-line "Compute Failed" report on stderr
+                silence_logs=logging.CRITICAL,
             )
     client = Client(cluster)
     log.info("started a local cluster: %d workers, dashboard %s", len(cluster.workers), client.dashboard_link)
