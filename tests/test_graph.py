@@ -18,6 +18,7 @@ import scipy.sparse as sp
 from sklearn.metrics import adjusted_rand_score
 
 from atlasflow.cli import stage_main
+from atlasflow.errors import ConfigError
 from atlasflow.stages import leiden as leiden_stage
 from atlasflow.stages import louvain as louvain_stage
 from atlasflow.stages import neighbors as neighbors_stage
@@ -345,11 +346,12 @@ def test_umap_is_deterministic(tiny_store):
 # bad input: one line naming the parameter, exit 1, nothing written
 
 
-def _fails(capsys, stage, store, out, *args, expect: str):
-    code = _run(stage, "--input", store, "--output", out, *args)
+def _fails(capsys, stage, store, out, *args, expect: str, code: int = 1):
+    """code 2: refused while parsing the command line (a bad number), 1: by the stage."""
+    rc = _run(stage, "--input", store, "--output", out, *args)
     err = capsys.readouterr().err.strip().splitlines()
     name = stage.__name__.rsplit(".", 1)[-1]
-    assert code == 1
+    assert rc == code
     assert err and err[-1].startswith(f"atlasflow {name}: error:"), err
     assert expect in err[-1], err[-1]
     assert not Path(out).exists() and not Path(out).with_suffix(".json").exists()
@@ -359,7 +361,7 @@ def _fails(capsys, stage, store, out, *args, expect: str):
 def test_bad_neighbors_inputs(tiny_store, tmp_path, capsys):
     out = tmp_path / "out.zarr"
     _fails(capsys, neighbors_stage, tiny_store, out, "--n-neighbors", 60, expect="n_neighbors")
-    _fails(capsys, neighbors_stage, tiny_store, out, "--n-neighbors", 1, expect="n_neighbors")
+    _fails(capsys, neighbors_stage, tiny_store, out, "--n-neighbors", 1, expect="n_neighbors", code=2)
     _fails(capsys, neighbors_stage, tiny_store, out, "--n-pcs", 9, expect="n_pcs")
     _fails(capsys, neighbors_stage, tiny_store, out, "--use-rep", "X_scvi", expect="use_rep")
     bare = tmp_path / "bare.zarr"
@@ -371,9 +373,9 @@ def test_bad_neighbors_inputs(tiny_store, tmp_path, capsys):
 
 def test_bad_cluster_and_umap_inputs(tiny_store, tmp_path, capsys):
     graph, out = tiny_store.parent / "neighbors.zarr", tmp_path / "out.zarr"
-    _fails(capsys, leiden_stage, graph, out, "--resolution", 0, expect="resolution")
-    _fails(capsys, leiden_stage, graph, out, "--resolutions", 0.5, -1, expect="resolutions")
-    _fails(capsys, louvain_stage, graph, out, "--resolution", -0.1, expect="resolution")
+    _fails(capsys, leiden_stage, graph, out, "--resolution", 0, expect="resolution", code=2)
+    _fails(capsys, leiden_stage, graph, out, "--resolutions", 0.5, -1, expect="resolutions", code=2)
+    _fails(capsys, louvain_stage, graph, out, "--resolution", -0.1, expect="resolution", code=2)
     _fails(capsys, leiden_stage, graph, out, "--restrict-to", '["nope", ["a"]]', expect="restrict_to")
     _fails(capsys, leiden_stage, graph, out, "--restrict-to", '["group", ["z"]]', expect="restrict_to")
     _fails(capsys, louvain_stage, graph, out, "--restrict-to", '["group", ["z"]]', expect="restrict_to")
@@ -390,6 +392,37 @@ def test_bad_cluster_and_umap_inputs(tiny_store, tmp_path, capsys):
     assert _run(leiden_stage, "--input", graph, "--output", out, "--restrict-to", '["group", ["a", "b"]]') == 0
     lab = open_store(out).obs["leiden_R"].astype(str)
     assert (lab[:40].str.startswith("a-b,")).all() and (lab[40:] == "c").all()
+
+
+@pytest.mark.parametrize(("stage", "args", "expect"), [
+    (neighbors_stage, ["--metric", "foo"], "metric: 'foo' is not one of euclidean, sqeuclidean, cosine"),
+    (neighbors_stage, ["--n-jobs", "0"], "n_jobs: must be an integer >= -1 other than 0 (or none), not '0'"),
+    (leiden_stage, ["--resolution", "nan"], "resolution: must be a finite number, not 'nan'"),
+    (leiden_stage, ["--n-iterations", "0"], "n_iterations: must be an integer >= -1 other than 0, not '0'"),
+    (umap_stage, ["--spread", "0"], "spread: must be a number > 0, not '0'"),
+], ids=["metric", "n_jobs0", "resolution_nan", "n_iterations0", "spread0"])
+def test_bad_value_by_hand_is_one_line(tiny_store, tmp_path, capsys, stage, args, expect):
+    """Refused while parsing the command line with one line (not argparse's usage), before anything runs."""
+    graph, out = tiny_store.parent / "neighbors.zarr", tmp_path / "out.zarr"
+    rc = _run(stage, "--input", graph, "--output", out, *args)
+    err = capsys.readouterr().err.strip().splitlines()
+    name = stage.__name__.rsplit(".", 1)[-1]
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"atlasflow {name}: error: {expect}"), err
+    assert not out.exists()
+
+
+def test_unknown_metric_from_snakemake_is_one_line(tiny_store, tmp_path, capsys):
+    """neighbors.metric: foo as a Snakemake param (not parsed) used to end in two tracebacks; now one line."""
+    from test_preprocess import FakeSnakemake
+
+    out = tmp_path / "out.zarr"
+    rc = stage_main(neighbors_stage, snakemake=FakeSnakemake(neighbors_stage, tiny_store, out, metric="foo"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1].startswith("atlasflow neighbors: error: metric: 'foo' is not one of euclidean"), err
+    assert not any("Traceback" in line for line in err)
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="metric: 'foo' is not one of"):
+        knn(np.zeros((10, 2), np.float32), 3, metric="foo")
 
 
 def test_louvain_stage_resolutions(tiny_store, tmp_path):

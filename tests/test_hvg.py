@@ -246,3 +246,23 @@ def test_hvg_and_subset_stages(snaps, stores, client, tmp_path):
     assert rc != 0 and not bad.exists() and not bad.with_suffix(".json").exists()
     rc = stage_main(hvg, argv=["--input", str(log1p), "--flavor", "seurat_v3", "--output", str(bad), *attach])
     assert rc != 0 and not bad.exists()
+
+
+@pytest.mark.parametrize(("args", "code", "expect"), [
+    (["--min-mean", "5", "--max-mean", "3"], 1, "min_mean (5.0) is above max_mean (3.0): no value can pass both"),
+    (["--min-disp", "2", "--max-disp", "1"], 1, "min_disp (2.0) is above max_disp (1.0): no value can pass both"),
+    (["--span", "0"], 2, "span: must be a number > 0, not '0'"),
+    (["--n-top-genes", "0"], 2, "n_top_genes: must be an integer >= 1 (or none), not '0'"),
+    (["--min-mean", "nan"], 2, "min_mean: must be a finite number, not 'nan'"),
+], ids=["mean", "disp", "span0", "n_top_genes0", "min_mean_nan"])
+def test_bad_cutoffs_are_one_line(tmp_path, capsys, client, args, code, expect):
+    """A cut-off pair no gene can pass, or a bad number, is refused before the input is read (it need not exist)."""
+    from atlasflow.cli import stage_main
+    from atlasflow.stages import hvg
+
+    out = tmp_path / "hvg.zarr"
+    rc = stage_main(hvg, argv=["--input", str(tmp_path / "log1p.zarr"), "--output", str(out),
+                               "--address", client.scheduler.address, *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == code and err[-1].startswith(f"atlasflow hvg: error: {expect}"), err
+    assert not out.exists()

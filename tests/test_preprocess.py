@@ -258,3 +258,96 @@ def test_missing_mito_prefix_warns_and_gives_zero(pbmc3k_raw_store, caplog):
     with dask.config.set(scheduler="synchronous"):
         af.pp.calculate_qc_metrics(adata, qc_vars=["mito"], percent_top=None)
     assert (adata.obs["pct_counts_mito"] == 0).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# bad numbers: one line naming the key, exit non-zero, nothing written
+
+
+class FakeSnakemake:
+    """What atlasflow.cli.args_from_snakemake reads of Snakemake's `snakemake` object; params arrive unparsed."""
+
+    def __init__(self, stage, input, output, **params):
+        self.rule = stage.__name__.rsplit(".", 1)[-1]
+        self.input, self.output = {"input": str(input)}, {"output": str(output)}
+        self.params, self.log, self.threads = params, [], 1
+
+
+def test_shared_number_types():
+    from atlasflow.errors import ConfigError
+    from atlasflow.stages import _common, hvg, neighbors, pca
+
+    assert _common.optional_int("3") == 3 and _common.optional_int(3.0) == 3 and _common.optional_int("none") is None
+    assert _common.log_base(None) is None and _common.log_base("2") == 2.0
+    for kind, value in [(_common.optional_int, "3.5"), (_common.positive_int, True), (_common.optional_float, "nan"),
+                        (_common.optional_float, "inf"), (_common.log_base, 1), (_common.optional_percent, 100.5)]:
+        with pytest.raises(ConfigError, match="^key: must be"):
+            kind(value, "key")
+    assert _common.Number(allow_inf=True)("inf") == float("inf")
+    # one definition of optional_int, in _common (hvg, pca and neighbors had their own)
+    assert not any("optional_int" in vars(m) and m.optional_int is not _common.optional_int
+                   for m in (hvg, pca, neighbors))
+
+
+BY_HAND = [
+    (normalize_stage, ["--target-sum", "-1"], "target_sum: must be a number > 0 (or none), not '-1'"),
+    (normalize_stage, ["--target-sum", "0"], "target_sum: must be a number > 0 (or none), not '0'"),
+    (log1p_stage, ["--base", "1"], "base: must be a number > 0 other than 1 (or none), not '1'"),
+    (log1p_stage, ["--base", "-2"], "base: must be a number > 0 other than 1 (or none), not '-2'"),
+    (log1p_stage, ["--base", "0"], "base: must be a number > 0 other than 1 (or none), not '0'"),
+    (filter_stage, ["--min-genes", "-5"], "min_genes: must be a number >= 0 (or none), not '-5'"),
+    (filter_stage, ["--max-pct-mt", "200"], "max_pct_mt: must be a number in [0, 100] (or none), not '200'"),
+    (filter_stage, ["--max-pct-mt", "nan"], "max_pct_mt: must be a finite number, not 'nan'"),
+    (qc_stage, ["--percent-top", "50", "0"], "percent_top: must be an integer >= 1, not '0'"),
+]
+
+
+@pytest.mark.parametrize(("stage", "argv", "expect"), BY_HAND,
+                         ids=["target_sum-1", "target_sum0", "base1", "base-2", "base0", "min_genes-5",
+                              "max_pct_mt200", "max_pct_mt_nan", "percent_top0"])
+def test_bad_number_by_hand_is_one_line(pbmc3k_raw_store, tmp_path, capsys, stage, argv, expect):
+    """Refused while parsing the command line: nothing starts, nothing is written."""
+    out = tmp_path / "out.zarr"
+    rc = stage_main(stage, argv=["--input", str(pbmc3k_raw_store), "--output", str(out), "--n-workers", "1", *argv])
+    name = stage.__name__.rsplit(".", 1)[-1]
+    assert (rc, capsys.readouterr().err.strip().splitlines()) == (2, [f"atlasflow {name}: error: {expect}"])
+    assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+@pytest.mark.parametrize(("stage", "params", "expect"), [
+    (normalize_stage, {"target_sum": -1}, "target_sum: must be a number > 0 (or none), not -1"),
+    (normalize_stage, {"target_sum": 0}, "target_sum: must be a number > 0 (or none), not 0"),
+    (log1p_stage, {"base": 1}, "base: must be a number > 0 other than 1 (or none), not 1"),
+    (log1p_stage, {"base": -2}, "base: must be a number > 0 other than 1 (or none), not -2"),
+    (log1p_stage, {"base": 0}, "base: must be a number > 0 other than 1 (or none), not 0"),
+    (filter_stage, {"min_genes": -5}, "min_genes: must be a number >= 0 (or none), not -5"),
+    (filter_stage, {"max_pct_mt": 200}, "max_pct_mt: must be a number in [0, 100] (or none), not 200"),
+    (filter_stage, {"min_genes": 500, "max_genes": 100},
+     "min_genes (500.0) is above max_genes (100.0): no value can pass both cut-offs"),
+], ids=["target_sum-1", "target_sum0", "base1", "base-2", "base0", "min_genes-5", "max_pct_mt200", "min_above_max"])
+def test_bad_number_from_snakemake_is_one_line(pbmc3k_raw_store, tmp_path, capsys, client, stage, params, expect):
+    """The same values as Snakemake params (not parsed by argparse) are refused by the stage before it reads."""
+    out = tmp_path / "out.zarr"
+    smk = FakeSnakemake(stage, pbmc3k_raw_store, out, address=client.scheduler.address, **params)
+    rc = stage_main(stage, snakemake=smk)
+    name = stage.__name__.rsplit(".", 1)[-1]
+    assert rc == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"atlasflow {name}: error: {expect}"
+    assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_percent_top_above_the_gene_count_is_refused(pbmc3k_raw_store, tmp_path, capsys, client):
+    """scanpy raises IndexError('Positions outside range of features.'); the column used to be dropped silently."""
+    out = tmp_path / "qc.zarr"
+    n_genes = open_store(pbmc3k_raw_store).n_vars
+    rc = stage_main(qc_stage, argv=["--input", str(pbmc3k_raw_store), "--output", str(out), "--address",
+                                    client.scheduler.address, "--percent-top", "50", str(n_genes + 1)])
+    assert rc == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"atlasflow qc: error: qc.percent_top: {n_genes + 1} > the {n_genes} genes of the input; "
+        f"give values up to {n_genes} (or [] for none)")
+    assert not out.exists()
+    from atlasflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"percent_top: every n must be between 1 and the {n_genes} genes"):
+        af.pp.calculate_qc_metrics(open_store(pbmc3k_raw_store), percent_top=[50, n_genes + 1])

@@ -199,6 +199,80 @@ def test_bad_config_names_the_key(tmp_path, change, expected):
     assert "Traceback" not in proc.stdout
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+def _own_stderr(proc) -> list[str]:
+    """stderr without the line Snakemake prints before reading the Snakefile when it applies a profile."""
+    lines = proc.stderr.splitlines()
+    return lines[1:] if lines and lines[0].startswith("Using workflow specific profile") else lines
+
+
+@pytest.mark.parametrize(
+    ("change", "first_line"),
+    [
+        ({"normalize": {"target_sum": -1}}, "config.normalize.target_sum: must be > 0, not -1"),
+        ({"normalize": {"target_sum": 0}}, "config.normalize.target_sum: must be > 0, not 0"),
+        ({"log1p": {"base": 1}}, "config.log1p.base: must not be 1"),
+        ({"log1p": {"base": -2}}, "config.log1p.base: must be > 0, not -2"),
+        ({"log1p": {"base": 0}}, "config.log1p.base: must be > 0, not 0"),
+        ({"hvg": {"min_mean": 5, "max_mean": 3}},
+         "config.hvg.min_mean (5) is above config.hvg.max_mean (3): no gene can pass both"),
+        ({"hvg": {"min_disp": 2, "max_disp": 1}},
+         "config.hvg.min_disp (2) is above config.hvg.max_disp (1): no gene can pass both"),
+        ({"datasets": {DATASET: {"overrides": {"hvg": {"max_mean": 0.001}}}}},
+         "config.hvg.min_mean (0.0125) is above config.datasets.tiny.overrides.hvg.max_mean (0.001)"),
+        ({"leiden": {"resolution": NAN}}, "config.leiden.resolution: nan is not a finite number"),
+        ({"leiden": {"resolutions": [0.5, INF]}}, "config.leiden.resolutions.1: inf is not a finite number"),
+        ({"datasets": {DATASET: {"overrides": {"normalize": {"target_sum": NAN}}}}},
+         "config.datasets.tiny.overrides.normalize.target_sum: nan is not a finite number"),
+        ({"filter": {"min_genes": -5}}, "config.filter.min_genes: must be >= 0, not -5"),
+        ({"filter": {"max_pct_mt": 200}}, "config.filter.max_pct_mt: must be <= 100, not 200"),
+        ({"filter": {"min_genes": 500, "max_genes": 100}},
+         "config.filter.min_genes (500) is above config.filter.max_genes (100): no cell can pass both"),
+        ({"neighbors": {"n_neighbors": 1}}, "config.neighbors.n_neighbors: must be >= 2, not 1"),
+        ({"neighbors": {"metric": "foo"}}, "config.neighbors.metric: 'foo' is not one of ['euclidean'"),
+        ({"datasets": {"raw": {"path": "missing.h5"}}}, "config.datasets.raw.path: missing.h5 not found"),
+    ],
+    ids=["target_sum-1", "target_sum0", "base1", "base-2", "base0", "hvg_mean", "hvg_disp", "hvg_override",
+         "resolution_nan", "resolutions_inf", "override_nan", "min_genes-5", "max_pct_mt200", "filter_genes",
+         "n_neighbors1", "metric", "missing_path"],
+)
+def test_bad_value_is_one_line_first_on_stderr(tmp_path, change, first_line):
+    """A bad number or name fails the dry run with one line naming the key, first on stderr (no Snakemake
+    banner, no trace; Snakemake 9 writes a dry run's own log to stdout), non-zero, nothing written."""
+    write_config(tmp_path, _merge(TINY_CONFIG, change))
+    proc = subprocess.run(snakemake_cmd(tmp_path, "--dry-run"), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = _own_stderr(proc)
+    assert lines and lines[0].startswith(first_line), proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and "Building DAG" not in proc.stdout, proc.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_bad_sample_sheet_number_is_one_line(tmp_path):
+    """A per-sample threshold out of bounds or infinite (NaN cells are empty cells) names its line and column."""
+    (tmp_path / "a.h5").write_bytes(b"")
+    (tmp_path / "samples.tsv").write_text("sample\tpath\tmin_genes\tmax_pct_mt\na\ta.h5\tinf\t150\n")
+    write_config(tmp_path, _merge(TINY_CONFIG, {"datasets": {"sheet": {"sample_sheet": "samples.tsv"}}}))
+    proc = subprocess.run(snakemake_cmd(tmp_path, "--dry-run"), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert _own_stderr(proc) == [
+        "config.datasets.sheet.sample_sheet: samples.tsv: line 2, column max_pct_mt: must be <= 100, not 150",
+        "config.datasets.sheet.sample_sheet: samples.tsv: line 2, column min_genes: inf is not a finite number",
+    ], proc.stderr
+
+
+def test_null_target_sum_and_natural_log_stay_allowed(tmp_path):
+    """normalize.target_sum null (the median) and log1p.base null (natural log) pass the new bounds."""
+    write_config(tmp_path, _merge(TINY_CONFIG, {"normalize": {"target_sum": None}, "log1p": {"base": None}}))
+    assert planned_jobs(tmp_path, f"results/{DATASET}/log1p.zarr") == {
+        "simulate": 1, "qc": 1, "filter": 1, "normalize": 1, "log1p": 1}
+
+
 def test_one_target_builds_only_what_it_needs(tmp_path):
     write_config(tmp_path, TINY_CONFIG)
     jobs = planned_jobs(tmp_path, f"results/{DATASET}/normalize.zarr")

@@ -15,8 +15,10 @@ there so that Snakemake re-runs a stage when those files change; the script igno
 
 import copy
 import difflib
+import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -61,11 +63,61 @@ def _allowed_keys(schema):
     return list(schema.get("properties", {}))
 
 
+def config_error(lines):
+    """Stop the run on configuration problems: one line each, first on stderr, exit status 1.
+
+    A WorkflowError raised while the Snakefile is parsed would be printed by Snakemake as
+    'WorkflowError in file .../common.smk, line N:' with the message and a trace through the rule
+    files under it, and, in a dry run, on stdout (Snakemake 9 logs a dry run there). Printing the
+    lines ourselves and exiting puts them first and alone; Snakemake has nothing to clean up yet.
+    """
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _deref(schema):
+    """A schema with its $ref (into the config schema's $defs) resolved; sibling keys win."""
+    if isinstance(schema, dict) and "$ref" in schema:
+        target = SCHEMA["$defs"][schema["$ref"].rsplit("/", 1)[-1]]
+        return {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema if isinstance(schema, dict) else {}
+
+
+def _non_finite(instance, schema, where):
+    """NaN and infinite numbers (YAML .nan/.inf, "inf" in a sheet), one line each: JSON Schema's bounds
+    let NaN through (every comparison with it is false). A key whose schema has `x-allow-non-finite: true`
+    may hold them. Dataset overrides are judged against their stage section's schema."""
+    lines = []
+
+    def walk(value, sub, path):
+        sub = _deref(sub)
+        if isinstance(value, float) and not math.isfinite(value):
+            if not sub.get("x-allow-non-finite"):
+                lines.append(f"{path}: {value} is not a finite number")
+        elif isinstance(value, dict):
+            props, extra = sub.get("properties", {}), sub.get("additionalProperties")
+            for key, item in value.items():
+                if sub is _OVERRIDES_SCHEMA and key in SCHEMA["properties"]:
+                    walk(item, SCHEMA["properties"][key], f"{path}.{key}")
+                else:
+                    walk(item, props.get(key, extra), f"{path}.{key}")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, sub.get("items"), f"{path}.{i}")
+
+    walk(instance, schema, where)
+    return lines
+
+
+_OVERRIDES_SCHEMA = SCHEMA["$defs"]["dataset"]["properties"]["overrides"]
+
+
 def _config_errors(instance, schema, where="config"):
-    """Every schema violation of `instance`, one line each, naming the offending key by its dotted path."""
+    """Every schema violation of `instance`, one line each, naming the offending key by its dotted path
+    (and every NaN or infinite number, which the schema's bounds cannot catch)."""
     from jsonschema import Draft202012Validator
 
-    lines = []
+    lines = _non_finite(instance, schema, where)
     for err in sorted(Draft202012Validator(schema).iter_errors(instance), key=lambda e: list(map(str, e.path))):
         path = ".".join([where, *map(str, err.absolute_path)])
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
@@ -77,20 +129,65 @@ def _config_errors(instance, schema, where="config"):
                 lines.append(f"{path}.{key}: unknown key{hint}{known}")
         elif err.validator == "propertyNames":
             lines.append(f"{path}: invalid name {err.instance!r} ({err.message})")
+        elif err.validator == "not" and isinstance(err.validator_value, dict) and "const" in err.validator_value:
+            lines.append(f"{path}: must not be {err.validator_value['const']!r}")
+        elif _is_non_finite(err.instance):
+            continue  # reported once by _non_finite (NaN fails some checks, e.g. const, with odd messages)
+        elif err.validator in _BOUNDS:
+            lines.append(f"{path}: must be {_BOUNDS[err.validator]} {err.validator_value}, not {err.instance!r}")
         else:
             lines.append(f"{path}: {err.message}")
-    return lines
+    return sorted(lines)
+
+
+#: JSON Schema's bound keywords as the comparison a value must pass (the stage scripts word them alike).
+_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+
+
+def _is_non_finite(value):
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def check_config(cfg):
-    """Fail with every config problem at once (unknown keys, wrong types), before defaults are filled.
+    """Fail with every config problem at once (unknown keys, wrong types, values out of bounds, NaN),
+    before defaults are filled.
 
     Snakemake's validate() fills defaults while it validates and stops at the first error; this check
-    runs first so a user sees all mistakes, each as ``config.<dotted.key>: problem``.
+    runs first so a user sees all mistakes, each as ``config.<dotted.key>: problem`` (config_error).
     """
     errors = _config_errors(cfg, SCHEMA)
     if errors:
-        raise WorkflowError("invalid configuration:\n  " + "\n  ".join(errors))
+        config_error(errors)
+
+
+#: Cut-off pairs no value can pass when low > high: (section, low key, high key, what it means).
+ORDERED_KEYS = (
+    ("filter", "min_genes", "max_genes", "no cell can pass both"),
+    ("filter", "min_counts", "max_counts", "no cell can pass both"),
+    ("hvg", "min_mean", "max_mean", "no gene can pass both"),
+    ("hvg", "min_disp", "max_disp", "no gene can pass both"),
+    ("umap", "min_dist", "spread", "UMAP needs min_dist <= spread"),
+)
+
+
+def _order_errors(cfg):
+    """ORDERED_KEYS pairs the wrong way round, globally and per dataset (with its overrides), naming both keys."""
+    lines = []
+    for section, low, high, why in ORDERED_KEYS:
+        checks = [(None, cfg[section])]
+        checks += [(name, dataset_config(name, section)) for name, spec in DATASETS.items()
+                   if section in spec.get("overrides", {})]
+        for name, values in checks:
+            lo, hi = values.get(low), values.get(high)
+            if lo is None or hi is None or not lo > hi:
+                continue
+            own = DATASETS[name].get("overrides", {}).get(section, {}) if name else {}
+            if name and low not in own and high not in own:
+                continue  # the global pair, reported once
+            where = {k: f"config.datasets.{name}.overrides.{section}.{k}" if k in own else f"config.{section}.{k}"
+                     for k in (low, high)}
+            lines.append(f"{where[low]} ({lo}) is above {where[high]} ({hi}): {why}")
+    return lines
 
 
 def _merge(base, update):
@@ -109,7 +206,7 @@ def prepare_config(cfg):
     global DATASETS, SIMULATED, INGESTED, SAMPLE_SHEETS
     DATASETS = {name: spec for name, spec in cfg["datasets"].items() if spec is not None}
     if not DATASETS:
-        raise WorkflowError("config.datasets: no dataset is configured (all are missing or null)")
+        config_error(["config.datasets: no dataset is configured (all are missing or null)"])
     errors = []
     for name, spec in DATASETS.items():
         given = [k for k in SOURCES if k in spec]
@@ -124,8 +221,14 @@ def prepare_config(cfg):
                               + f"; known: {', '.join(STAGE_SECTIONS)}")
             else:
                 errors += _config_errors(values, _section_schema(stage), where)
+        if "path" in spec and not os.path.exists(spec["path"]) and not os.path.exists(store("ingest").format(
+                dataset=name)):  # once ingested, a raw file that is gone is not needed (unless ingest reruns)
+            errors.append(f"config.datasets.{name}.path: {spec['path']} not found "
+                          f"(relative paths are from the working directory, {os.getcwd()})")
+    if not errors:
+        errors = _order_errors(cfg)
     if errors:
-        raise WorkflowError("invalid configuration:\n  " + "\n  ".join(errors))
+        config_error(errors)
     SIMULATED = sorted(n for n, s in DATASETS.items() if "simulate" in s)
     INGESTED = sorted(n for n in DATASETS if n not in SIMULATED)
     SAMPLE_SHEETS = {n: _read_sample_sheet(n, s["sample_sheet"]) for n, s in DATASETS.items() if "sample_sheet" in s}
@@ -141,7 +244,7 @@ def _read_sample_sheet(dataset, sheet):
 
     path = Path(sheet)
     if not path.is_file():
-        raise WorkflowError(f"config.datasets.{dataset}.sample_sheet: {sheet} not found")
+        config_error([f"config.datasets.{dataset}.sample_sheet: {sheet} not found"])
     table = pd.read_csv(path, sep="\t", dtype={"sample": str, "path": str}, comment="#")
     table.columns = [str(c).strip() for c in table.columns]
     with open(SAMPLES_SCHEMA_FILE) as fh:
@@ -167,7 +270,7 @@ def _read_sample_sheet(dataset, sheet):
         if dups:
             errors.append(f"duplicate sample name(s) {', '.join(dups)}")
     if errors:
-        raise WorkflowError(f"sample sheet {sheet} (dataset {dataset}):\n  " + "\n  ".join(errors))
+        config_error([f"config.datasets.{dataset}.sample_sheet: {sheet}: {e}" for e in errors])
     paths = []
     for entry in table["path"]:  # looked up as atlasflow.io.samplesheet does: working dir, then the sheet's folder
         for base in (Path.cwd(), path.parent):
@@ -489,7 +592,7 @@ def check_resources():
             hint = difflib.get_close_matches(key, known, n=1)
             lines.append(f"config.resources.{key}: unknown stage" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                          + f"; known: {', '.join(known)}")
-        raise WorkflowError("invalid configuration:\n  " + "\n  ".join(lines))
+        config_error(lines)
 
 
 # ------------------------------------------------------------------------------------------ features.smk inputs

@@ -72,7 +72,9 @@ def calculate_qc_metrics(
     for q in qc_vars:
         if q not in adata.var:
             raise ConfigError(f"qc_vars: {q!r} is not a column of var")
-    tops = sorted(int(t) for t in percent_top or () if int(t) <= m)
+    tops = sorted({int(t) for t in percent_top or ()})
+    if tops and (tops[0] < 1 or tops[-1] > m):  # scanpy raises IndexError("Positions outside range of features.")
+        raise ConfigError(f"percent_top: every n must be between 1 and the {m} genes, not {tops}")
     masks = [np.asarray(adata.var[q], dtype=bool) for q in qc_vars]
     ncols = 2 + len(tops) + len(masks)
 

@@ -8,20 +8,29 @@ import pandas as pd
 
 from atlasflow import pp
 from atlasflow.errors import InputError
-from atlasflow.stages._common import json_arg, optional_float, shape_summary, stored_row_nnz
+from atlasflow.stages._common import (check_order, json_arg, non_negative_int, optional_non_negative_float,
+                                      optional_percent, shape_summary, stored_row_nnz)
 from atlasflow.store import open_store, require, write_store
 
 DESCRIPTION = "Filter cells (min/max genes and counts, max pct mito) and genes (min cells) of a qc store."
 log = logging.getLogger(__name__)
 
 
+#: The global cell thresholds: argparse type (which also checks a Snakemake param) and help.
+THRESHOLDS = {
+    "min_genes": (optional_non_negative_float, "keep cells with n_genes_by_counts >= this"),
+    "max_genes": (optional_non_negative_float, "keep cells with n_genes_by_counts <= this"),
+    "min_counts": (optional_non_negative_float, "keep cells with total_counts >= this"),
+    "max_counts": (optional_non_negative_float, "keep cells with total_counts <= this"),
+    "max_pct_mt": (optional_percent, "keep cells with pct_counts_mt < this (a percentage, 0 to 100)"),
+}
+
+
 def add_arguments(p):
-    p.add_argument("--min-genes", dest="min_genes", type=optional_float, default=None, help="keep cells with n_genes_by_counts >= this")
-    p.add_argument("--max-genes", dest="max_genes", type=optional_float, default=None, help="keep cells with n_genes_by_counts <= this")
-    p.add_argument("--min-counts", dest="min_counts", type=optional_float, default=None, help="keep cells with total_counts >= this")
-    p.add_argument("--max-counts", dest="max_counts", type=optional_float, default=None, help="keep cells with total_counts <= this")
-    p.add_argument("--max-pct-mt", dest="max_pct_mt", type=optional_float, default=None, help="keep cells with pct_counts_mt < this")
-    p.add_argument("--min-cells", dest="min_cells", type=int, default=0, help="keep genes detected in >= this many cells")
+    for key, (kind, text) in THRESHOLDS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=kind.named(key), default=None, help=text)
+    p.add_argument("--min-cells", dest="min_cells", type=non_negative_int.named("min_cells"), default=0,
+                   help="keep genes detected in >= this many cells")
     p.add_argument("--per-sample", dest="per_sample", default=None,
                    help="TSV with a 'sample' column and threshold columns overriding the global ones per sample")
     p.add_argument("--mad", type=json_arg, default=None,
@@ -39,13 +48,17 @@ def _per_sample_table(path) -> pd.DataFrame | None:
 
 
 def run(args, client) -> dict:
+    # checked here too: Snakemake params arrive unparsed
+    thresholds = {k: THRESHOLDS[k][0](getattr(args, k), k) for k in pp.filter.CELL_THRESHOLDS}
+    min_cells = non_negative_int(args.min_cells, "min_cells")
+    check_order(thresholds, "min_genes", "max_genes")
+    check_order(thresholds, "min_counts", "max_counts")
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
-    thresholds = {k: getattr(args, k) for k in pp.filter.CELL_THRESHOLDS}
     require(adata, args.input, "filter",
             obs=sorted({pp.filter.CELL_THRESHOLDS[k][0] for k, v in thresholds.items() if v is not None}),
-            var=["n_cells_by_counts"] if args.min_cells else [])
+            var=["n_cells_by_counts"] if min_cells else [])
     cells, genes, report = pp.qc_filter_masks(
-        adata.obs, adata.var, thresholds=thresholds, min_cells=args.min_cells,
+        adata.obs, adata.var, thresholds=thresholds, min_cells=min_cells,
         per_sample=_per_sample_table(args.per_sample), mad=args.mad,
     )
     for rule, n in report.items():

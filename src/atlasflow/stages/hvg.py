@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from atlasflow import pp
 from atlasflow.pp.hvg import COUNT_FLAVORS
-from atlasflow.stages._common import optional_float, shape_summary
+from atlasflow.stages._common import (Number, check_order, optional_positive_int, positive_float, positive_int,
+                                      shape_summary)
 from atlasflow.store import open_store, write_store
 
 DESCRIPTION = ("Select highly variable genes (flavors seurat, cell_ranger, seurat_v3, seurat_v3_paper, "
                "poisson_gene_selection); count-based flavors read --counts.")
 
 
-def optional_int(text):
-    """argparse type: an int, or none/null for 'not set'."""
-    if text is None or (isinstance(text, str) and text.lower() in ("none", "null", "")):
-        return None
-    return int(text)
+#: a finite float; the upper dispersion cut-off may also be inf (or none: infinity)
+cutoff, max_disp_type = Number(), Number(nullable=True, allow_inf=True)
 
 
 def add_arguments(p):
@@ -24,15 +22,19 @@ def add_arguments(p):
                         "seurat_v3_paper and poisson_gene_selection")
     p.add_argument("--flavor", default="seurat", help="seurat | cell_ranger | seurat_v3 | seurat_v3_paper | "
                                                       "poisson_gene_selection")
-    p.add_argument("--n-top-genes", dest="n_top_genes", type=optional_int, default=None,
+    p.add_argument("--n-top-genes", dest="n_top_genes", type=optional_positive_int.named("n_top_genes"),
+                   default=None,
                    help="number of genes to select (none: use the mean/dispersion cut-offs; seurat_v3: 2000)")
-    p.add_argument("--min-mean", dest="min_mean", type=float, default=0.0125, help="lower mean cut-off")
-    p.add_argument("--max-mean", dest="max_mean", type=float, default=3.0, help="upper mean cut-off")
-    p.add_argument("--min-disp", dest="min_disp", type=float, default=0.5, help="lower normalised dispersion cut-off")
-    p.add_argument("--max-disp", dest="max_disp", type=optional_float, default=None,
+    p.add_argument("--min-mean", dest="min_mean", type=cutoff.named("min_mean"), default=0.0125,
+                   help="lower mean cut-off (<= max_mean)")
+    p.add_argument("--max-mean", dest="max_mean", type=cutoff.named("max_mean"), default=3.0, help="upper mean cut-off")
+    p.add_argument("--min-disp", dest="min_disp", type=cutoff.named("min_disp"), default=0.5,
+                   help="lower normalised dispersion cut-off (<= max_disp)")
+    p.add_argument("--max-disp", dest="max_disp", type=max_disp_type.named("max_disp"), default=None,
                    help="upper normalised dispersion cut-off (none: infinity)")
-    p.add_argument("--span", type=float, default=0.3, help="loess span of seurat_v3")
-    p.add_argument("--n-bins", dest="n_bins", type=int, default=20, help="mean-expression bins (seurat)")
+    p.add_argument("--span", type=positive_float.named("span"), default=0.3, help="loess span of seurat_v3")
+    p.add_argument("--n-bins", dest="n_bins", type=positive_int.named("n_bins"), default=20,
+                   help="mean-expression bins (seurat)")
     p.add_argument("--batch-key", dest="batch_key", default=None, help="obs column: select per batch and merge")
     p.add_argument("--layer", default=None, help="use this layer instead of X")
     p.add_argument("--no-check-values", dest="check_values", action="store_false",
@@ -40,6 +42,8 @@ def add_arguments(p):
 
 
 def run(args, client) -> dict:
+    check_order(vars(args), "min_mean", "max_mean")  # before reading anything: a pair no gene can pass
+    check_order(vars(args), "min_disp", "max_disp")
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
     counts = None
     if args.counts and args.flavor in COUNT_FLAVORS:

@@ -11,8 +11,8 @@ import argparse
 import logging
 
 from atlasflow.errors import ConfigError
-from atlasflow.stages._common import json_arg, shape_summary
-from atlasflow.stages.neighbors import optional_int, to_int
+from atlasflow.stages._common import (Number, json_arg, optional_int, optional_positive_float, positive_float,
+                                      shape_summary)
 from atlasflow.store import open_store, write_store
 from atlasflow.tl._gpu import clustering_engine, resolve_backend
 from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
@@ -38,26 +38,25 @@ def optional_bool(text):
 
 
 def to_floats(values, name: str) -> list[float]:
-    """A list of numbers from the CLI list or a Snakemake param (number, list or comma-separated string)."""
+    """A list of resolutions (> 0) from the CLI list or a Snakemake param (number, list or comma-separated string)."""
     if values is None:
         return []
     if isinstance(values, str):
         values = [v for v in values.replace(",", " ").split() if v]
     elif not isinstance(values, list | tuple):
         values = [values]
-    try:
-        return [float(v) for v in values]
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be numbers, not {values!r}") from None
+    return [positive_float(v, name) for v in values]
 
 
 def add_cluster_arguments(p, *, algorithm: str, resolution_default):
     """Arguments shared by the leiden and louvain stages (scanpy's names)."""
-    p.add_argument("--resolution", type=float, default=resolution_default,
+    resolution = optional_positive_float if resolution_default is None else positive_float
+    p.add_argument("--resolution", type=resolution.named("resolution"), default=resolution_default,
                    help=f"resolution of obs['{algorithm}'] (higher: more clusters)")
-    p.add_argument("--resolutions", type=float, nargs="*", default=[],
+    p.add_argument("--resolutions", type=positive_float.named("resolutions"), nargs="*", default=[],
                    help=f"more resolutions, one column each: obs['{algorithm}_r<res>']")
-    p.add_argument("--random-state", dest="random_state", type=optional_int, default=0, help="seed")
+    p.add_argument("--random-state", dest="random_state", type=optional_int.named("random_state"),
+                   default=0, help="seed")
     p.add_argument("--restrict-to", dest="restrict_to", type=json_arg, default=None,
                    help='JSON ["obs_key", ["category", ...]]: re-cluster only these cells')
     p.add_argument("--key-added", dest="key_added", default=algorithm, help="obs/uns key of the labels")
@@ -74,8 +73,9 @@ def run_clustering(args, algorithm: str, cluster, **options) -> dict:
     restrict_to = json_arg(args.restrict_to)
     backend = resolve_backend(getattr(args, "backend", "cpu"))
     cluster(
-        adata, args.resolution, resolutions=resolutions, restrict_to=restrict_to,
-        random_state=optional_int(args.random_state), key_added=args.key_added, neighbors_key=args.neighbors_key,
+        adata, optional_positive_float(args.resolution, "resolution"), resolutions=resolutions, restrict_to=restrict_to,
+        random_state=optional_int(args.random_state, "random_state"), key_added=args.key_added,
+        neighbors_key=args.neighbors_key,
         obsp=args.obsp, backend=backend, **options,
     )
     keys = output_keys(algorithm, args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
@@ -95,11 +95,15 @@ def cluster_summary(adata, keys: list[str]) -> dict:
     }
 
 
+#: Leiden iterations: -1 (any negative) = until stable; 0 would return every cell as its own cluster
+n_iterations_type = Number(integer=True, ge=-1, ne=0)
+
+
 def add_arguments(p):
     add_cluster_arguments(p, algorithm="leiden", resolution_default=1.0)
     p.add_argument("--flavor", choices=LEIDEN_FLAVORS, default="igraph",
                    help="igraph (community_leiden, modularity; scanpy's recommendation) or leidenalg")
-    p.add_argument("--n-iterations", dest="n_iterations", type=int, default=2,
+    p.add_argument("--n-iterations", dest="n_iterations", type=n_iterations_type.named("n_iterations"), default=2,
                    help="Leiden iterations (-1: until the partition is stable)")
     p.add_argument("--directed", type=optional_bool, default=None,
                    help="treat the graph as directed; none: false for igraph, true for leidenalg, as scanpy")
@@ -110,5 +114,5 @@ def add_arguments(p):
 def run(args, client) -> dict:
     return run_clustering(
         args, "leiden", leiden, flavor=args.flavor, directed=optional_bool(args.directed),
-        use_weights=bool(args.use_weights), n_iterations=to_int(args.n_iterations, "n_iterations"),
+        use_weights=bool(args.use_weights), n_iterations=n_iterations_type(args.n_iterations, "n_iterations"),
     )

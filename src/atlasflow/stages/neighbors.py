@@ -13,10 +13,10 @@ import time
 import numpy as np
 
 from atlasflow.errors import ConfigError
-from atlasflow.stages._common import json_arg, shape_summary
+from atlasflow.stages._common import Choice, Number, json_arg, optional_int, optional_positive_int, shape_summary
 from atlasflow.store import open_store, write_store
 from atlasflow.tl._gpu import knn_engine, resolve_backend
-from atlasflow.tl.neighbors import KNN_METHODS, METHODS, choose_knn_method, neighbors
+from atlasflow.tl.neighbors import KNN_METHODS, METHODS, METRICS, choose_knn_method, neighbors
 
 DESCRIPTION = ("kNN graph on obsm['X_pca'] (scanpy.pp.neighbors): obsp['distances'/'connectivities'], "
                "uns['neighbors']; X is linked, not copied.")
@@ -24,28 +24,17 @@ NEEDS_CLUSTER = False
 log = logging.getLogger(__name__)
 
 
-def optional_int(text):
-    """argparse type: an int, or none/null for 'not set' (values from Snakemake pass through)."""
-    if text is None or (isinstance(text, str) and text.lower() in ("none", "null", "")):
-        return None
-    try:
-        return int(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"expected an integer, not {text!r}") from None
-
-
-def to_int(value, name: str) -> int:
-    """``value`` as an int (Snakemake params arrive unconverted), or a ConfigError naming ``name``."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be an integer, not {value!r}") from None
+#: neighbours per cell, the cell itself included: at least 2
+n_neighbors_type = Number(integer=True, ge=2)
+#: threads of the search: -1 = all cores (scikit-learn's convention), 0 is none
+n_jobs_type = Number(integer=True, ge=-1, ne=0, nullable=True)
+metric_type = Choice(METRICS)
 
 
 def add_arguments(p):
-    p.add_argument("--n-neighbors", dest="n_neighbors", type=int, default=15,
+    p.add_argument("--n-neighbors", dest="n_neighbors", type=n_neighbors_type.named("n_neighbors"), default=15,
                    help="neighbours per cell, the cell itself included (as scanpy)")
-    p.add_argument("--n-pcs", dest="n_pcs", type=optional_int, default=None,
+    p.add_argument("--n-pcs", dest="n_pcs", type=optional_positive_int.named("n_pcs"), default=None,
                    help="use the first n_pcs columns of the embedding; none: all")
     p.add_argument("--use-rep", dest="use_rep", default=None, help="obsm key of the embedding; none: X_pca")
     p.add_argument("--knn-method", dest="knn_method", choices=KNN_METHODS, default="auto",
@@ -53,31 +42,34 @@ def add_arguments(p):
                         "with --backend gpu, auto and exact search exactly on the GPU (cuML, else CuPy)")
     p.add_argument("--method", choices=METHODS, default="umap",
                    help="connectivities: UMAP fuzzy simplicial set or Gaussian kernel")
-    p.add_argument("--metric", default="euclidean", help="distance metric (sklearn/pynndescent name)")
+    p.add_argument("--metric", default="euclidean", type=metric_type.named("metric"),
+                   help=f"distance metric: {', '.join(METRICS)}")
     p.add_argument("--metric-kwds", dest="metric_kwds", type=json_arg, default={}, help="JSON options of the metric")
-    p.add_argument("--random-state", dest="random_state", type=optional_int, default=0,
+    p.add_argument("--random-state", dest="random_state", type=optional_int.named("random_state"), default=0,
                    help="seed of the approximate search")
     p.add_argument("--key-added", dest="key_added", default=None,
                    help="store as uns[KEY], obsp[KEY_distances], obsp[KEY_connectivities]")
-    p.add_argument("--n-jobs", dest="n_jobs", type=optional_int, default=1,
+    p.add_argument("--n-jobs", dest="n_jobs", type=n_jobs_type.named("n_jobs"), default=1,
                    help="threads of the kNN search; pynndescent's graph depends on it (1: reproducible anywhere, "
                         "as scanpy; more: faster)")
 
 
 def run(args, client) -> dict:
+    n_neighbors = n_neighbors_type(args.n_neighbors, "n_neighbors")  # Snakemake params arrive unparsed
+    n_pcs = optional_positive_int(args.n_pcs, "n_pcs")
+    n_jobs = n_jobs_type(args.n_jobs, "n_jobs")
+    metric = metric_type(args.metric, "metric")
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
-    n_neighbors = to_int(args.n_neighbors, "n_neighbors")
-    n_pcs = optional_int(args.n_pcs)
     metric_kwds = json_arg(args.metric_kwds) or {}
     if not isinstance(metric_kwds, dict):
         raise ConfigError(f"metric_kwds must be a JSON object, not {metric_kwds!r}")
     backend = resolve_backend(getattr(args, "backend", "cpu"))
-    used = choose_knn_method(adata.n_obs, args.metric, args.knn_method, backend=backend, metric_kwds=metric_kwds)
+    used = choose_knn_method(adata.n_obs, metric, args.knn_method, backend=backend, metric_kwds=metric_kwds)
     t0 = time.time()
     neighbors(
         adata, n_neighbors, n_pcs, use_rep=args.use_rep, knn_method=args.knn_method, method=args.method,
-        metric=args.metric, metric_kwds=metric_kwds, random_state=optional_int(args.random_state),
-        key_added=args.key_added, n_jobs=optional_int(args.n_jobs), backend=backend,
+        metric=metric, metric_kwds=metric_kwds, random_state=optional_int(args.random_state, "random_state"),
+        key_added=args.key_added, n_jobs=n_jobs, backend=backend,
     )
     graph_seconds = time.time() - t0
     key = args.key_added or "neighbors"

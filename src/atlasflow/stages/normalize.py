@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 from atlasflow import pp
-from atlasflow.stages._common import optional_float, shape_summary, stored_row_nnz
+from atlasflow.stages._common import fraction, optional_positive_float, shape_summary, stored_row_nnz
 from atlasflow.store import open_store, write_store
 
 DESCRIPTION = "Normalize each cell to target_sum total counts (default: median of the totals)."
 
 
 def add_arguments(p):
-    p.add_argument("--target-sum", dest="target_sum", type=optional_float, default=None,
-                   help="total counts per cell after normalization (none: median of the totals)")
+    p.add_argument("--target-sum", dest="target_sum", type=optional_positive_float.named("target_sum"), default=None,
+                   help="total counts per cell after normalization, > 0 (none: median of the totals)")
     p.add_argument("--exclude-highly-expressed", dest="exclude_highly_expressed", action="store_true",
                    help="leave genes with > max_fraction of a cell's counts out of the totals")
-    p.add_argument("--max-fraction", dest="max_fraction", type=float, default=0.05,
+    p.add_argument("--max-fraction", dest="max_fraction", type=fraction.named("max_fraction"), default=0.05,
                    help="fraction of a cell's counts that makes a gene highly expressed")
 
 
 def run(args, client) -> dict:
+    target_sum = optional_positive_float(args.target_sum, "target_sum")  # Snakemake params arrive unparsed
+    max_fraction = fraction(args.max_fraction, "max_fraction")
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
-    result = pp.normalize_total(adata, target_sum=args.target_sum, inplace=False,
-                                exclude_highly_expressed=args.exclude_highly_expressed, max_fraction=args.max_fraction)
+    result = pp.normalize_total(adata, target_sum=target_sum, inplace=False,
+                                exclude_highly_expressed=args.exclude_highly_expressed, max_fraction=max_fraction)
     adata.X = result["X"]
     # normalization keeps every stored entry, so the row structure of the input is the output's
     write_store(adata, args.output, chunk_rows=args.chunk_rows, row_nnz={"X": stored_row_nnz(args.input)},

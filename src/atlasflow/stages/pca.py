@@ -13,7 +13,7 @@ import numpy as np
 
 from atlasflow import pp
 from atlasflow.pp._pca import _EMPTY, MAX_GRAM_MIB, ScaledFrom
-from atlasflow.stages._common import shape_summary
+from atlasflow.stages._common import optional_positive_int, positive_float, shape_summary
 from atlasflow.store import _is_sparse_meta, open_matrix, open_store, provenance, write_store
 
 log = logging.getLogger(__name__)
@@ -21,15 +21,8 @@ log = logging.getLogger(__name__)
 DESCRIPTION = "PCA of X (highly variable genes by default): obsm['X_pca'], varm['PCs'], uns['pca']."
 
 
-def optional_int(text):
-    """argparse type: an int, or none/null for 'not set'."""
-    if text is None or (isinstance(text, str) and text.lower() in ("none", "null", "")):
-        return None
-    return int(text)
-
-
 def add_arguments(p):
-    p.add_argument("--n-comps", dest="n_comps", type=optional_int, default=None,
+    p.add_argument("--n-comps", dest="n_comps", type=optional_positive_int.named("n_comps"), default=None,
                    help="number of components (none: 50, or one less than the smaller dimension)")
     p.add_argument("--zero-center", dest="zero_center", action=argparse.BooleanOptionalAction, default=True,
                    help="PCA of centred data (without: truncated SVD)")
@@ -38,8 +31,8 @@ def add_arguments(p):
     p.add_argument("--key-added", dest="key_added", default=None,
                    help="store under this key instead of X_pca/PCs/pca")
     p.add_argument("--dtype", default="float32", help="dtype of obsm['X_pca']")
-    p.add_argument("--max-gram-mib", dest="max_gram_mib", type=float, default=MAX_GRAM_MIB,
-                   help="refuse gene counts whose float64 Gram matrix exceeds this many MiB")
+    p.add_argument("--max-gram-mib", dest="max_gram_mib", type=positive_float.named("max_gram_mib"),
+                   default=MAX_GRAM_MIB, help="refuse gene counts whose float64 Gram matrix exceeds this many MiB")
     p.add_argument("--layer", default=None, help="use this layer instead of X")
     p.add_argument("--unscaled", default=None,
                    help="the store the scale stage read; when its X is sparse PCA computes from it, scaling on "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from atlasflow import pp
-from atlasflow.stages._common import json_arg, shape_summary
+from atlasflow.errors import ConfigError
+from atlasflow.stages._common import json_arg, positive_int, shape_summary
 from atlasflow.store import open_store, write_store
 
 DESCRIPTION = "Compute scanpy's QC metrics (obs and var) of a raw-count store; X is linked, not copied."
@@ -16,18 +17,24 @@ log = logging.getLogger(__name__)
 def add_arguments(p):
     p.add_argument("--gene-sets", dest="gene_sets", type=json_arg, default=DEFAULT_GENE_SETS,
                    help="JSON {name: {prefix|regex|genes_file: ...}}: boolean var columns and pct_counts_<name>")
-    p.add_argument("--percent-top", dest="percent_top", type=int, nargs="*", default=[50, 100, 200, 500],
-                   help="n for pct_counts_in_top_<n>_genes")
+    p.add_argument("--percent-top", dest="percent_top", type=positive_int.named("percent_top"), nargs="*",
+                   default=[50, 100, 200, 500],
+                   help="n (1 to the number of genes) for pct_counts_in_top_<n>_genes")
 
 
 def run(args, client) -> dict:
+    percent_top = [positive_int(n, "percent_top") for n in args.percent_top or ()]
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    too_many = sorted({n for n in percent_top if n > adata.n_vars})
+    if too_many:  # scanpy: IndexError "Positions outside range of features"
+        raise ConfigError(f"qc.percent_top: {', '.join(map(str, too_many))} > the {adata.n_vars} genes of the input; "
+                          f"give values up to {adata.n_vars} (or [] for none)")
     masks = pp.gene_set_masks(adata.var, args.gene_sets or {})
     for name, mask in masks.items():
         adata.var[name] = mask
     log.info("qc: %d cells x %d genes; gene sets %s", adata.n_obs, adata.n_vars,
              {k: int(v.sum()) for k, v in masks.items()})
-    pp.calculate_qc_metrics(adata, qc_vars=list(masks), percent_top=args.percent_top)
+    pp.calculate_qc_metrics(adata, qc_vars=list(masks), percent_top=percent_top)
     write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "qc"})
     obs = adata.obs
     return {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from atlasflow import pp
-from atlasflow.stages._common import optional_float, shape_summary, stored_row_nnz
+from atlasflow.stages._common import optional_positive_float, shape_summary, stored_row_nnz
 from atlasflow.store import _is_sparse_meta, open_store, write_store
 
 DESCRIPTION = "Scale each gene to unit variance (and zero mean), clipping at max_value; var gains mean and std."
@@ -14,8 +14,8 @@ DESCRIPTION = "Scale each gene to unit variance (and zero mean), clipping at max
 def add_arguments(p):
     p.add_argument("--zero-center", dest="zero_center", action=argparse.BooleanOptionalAction, default=True,
                    help="subtract the gene means (dense output); without it sparse data stays sparse")
-    p.add_argument("--max-value", dest="max_value", type=optional_float, default=None,
-                   help="clip scaled values at this magnitude (none: no clipping)")
+    p.add_argument("--max-value", dest="max_value", type=optional_positive_float.named("max_value"), default=None,
+                   help="clip scaled values at this magnitude, > 0 (none: no clipping)")
     p.add_argument("--mask-obs", dest="mask_obs", default=None,
                    help="boolean obs column: derive and apply the scaling on these cells only")
     p.add_argument("--layer", default=None, help="scale this layer instead of X")

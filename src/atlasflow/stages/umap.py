@@ -12,8 +12,8 @@ import logging
 
 import numpy as np
 
-from atlasflow.stages._common import optional_float, shape_summary
-from atlasflow.stages.neighbors import optional_int, to_int
+from atlasflow.stages._common import (non_negative_float, non_negative_int, optional_int, optional_positive_float,
+                                      optional_positive_int, positive_float, positive_int, shape_summary)
 from atlasflow.store import open_store, write_store
 from atlasflow.tl._gpu import resolve_backend, umap_engine
 from atlasflow.tl.umap import umap
@@ -24,19 +24,24 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p):
-    p.add_argument("--min-dist", dest="min_dist", type=float, default=0.5, help="minimum distance of embedded points")
-    p.add_argument("--spread", type=float, default=1.0, help="scale of the embedded points")
-    p.add_argument("--n-components", dest="n_components", type=int, default=2, help="dimensions of the layout")
-    p.add_argument("--maxiter", type=optional_int, default=None,
+    p.add_argument("--min-dist", dest="min_dist", type=non_negative_float.named("min_dist"),
+                   default=0.5, help="minimum distance of embedded points")
+    p.add_argument("--spread", type=positive_float.named("spread"), default=1.0, help="scale of the embedded points")
+    p.add_argument("--n-components", dest="n_components", type=positive_int.named("n_components"),
+                   default=2, help="dimensions of the layout")
+    p.add_argument("--maxiter", type=optional_positive_int.named("maxiter"), default=None,
                    help="epochs; none: 500 up to 10,000 cells, 200 above")
-    p.add_argument("--alpha", type=float, default=1.0, help="initial learning rate")
-    p.add_argument("--gamma", type=float, default=1.0, help="weight of negative samples")
-    p.add_argument("--negative-sample-rate", dest="negative_sample_rate", type=int, default=5,
-                   help="negative samples per positive edge")
+    p.add_argument("--alpha", type=positive_float.named("alpha"), default=1.0, help="initial learning rate")
+    p.add_argument("--gamma", type=non_negative_float.named("gamma"), default=1.0, help="weight of negative samples")
+    p.add_argument("--negative-sample-rate", dest="negative_sample_rate", default=5,
+                   type=non_negative_int.named("negative_sample_rate"), help="negative samples per positive edge")
     p.add_argument("--init-pos", dest="init_pos", default="spectral", help="spectral (scanpy's; ~7 GB at 1M cells), random or an obsm key")
-    p.add_argument("--random-state", dest="random_state", type=optional_int, default=0, help="seed")
-    p.add_argument("--a", type=optional_float, default=None, help="curve parameter a; none: fitted to min_dist/spread")
-    p.add_argument("--b", type=optional_float, default=None, help="curve parameter b; none: fitted to min_dist/spread")
+    p.add_argument("--random-state", dest="random_state", type=optional_int.named("random_state"),
+                   default=0, help="seed")
+    p.add_argument("--a", type=optional_positive_float.named("a"),
+                   default=None, help="curve parameter a; none: fitted to min_dist/spread")
+    p.add_argument("--b", type=optional_positive_float.named("b"),
+                   default=None, help="curve parameter b; none: fitted to min_dist/spread")
     p.add_argument("--key-added", dest="key_added", default=None, help="store as obsm[KEY] and uns[KEY]")
     p.add_argument("--neighbors-key", dest="neighbors_key", default="neighbors", help="graph of uns[KEY]")
     p.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=False,
@@ -47,11 +52,13 @@ def run(args, client) -> dict:
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
     backend = resolve_backend(getattr(args, "backend", "cpu"))
     umap(
-        adata, min_dist=float(args.min_dist), spread=float(args.spread),
-        n_components=to_int(args.n_components, "n_components"), maxiter=optional_int(args.maxiter),
-        alpha=float(args.alpha), gamma=float(args.gamma),
-        negative_sample_rate=to_int(args.negative_sample_rate, "negative_sample_rate"), init_pos=args.init_pos,
-        random_state=optional_int(args.random_state), a=optional_float(args.a), b=optional_float(args.b),
+        adata, min_dist=non_negative_float(args.min_dist, "min_dist"), spread=positive_float(args.spread, "spread"),
+        n_components=positive_int(args.n_components, "n_components"),
+        maxiter=optional_positive_int(args.maxiter, "maxiter"),
+        alpha=positive_float(args.alpha, "alpha"), gamma=non_negative_float(args.gamma, "gamma"),
+        negative_sample_rate=non_negative_int(args.negative_sample_rate, "negative_sample_rate"),
+        init_pos=args.init_pos, random_state=optional_int(args.random_state, "random_state"),
+        a=optional_positive_float(args.a, "a"), b=optional_positive_float(args.b, "b"),
         key_added=args.key_added, neighbors_key=args.neighbors_key, parallel=bool(args.parallel),
         backend=backend,
     )

@@ -35,6 +35,11 @@ KNN_METHODS = ("auto", "exact", "pynndescent")
 #: n_neighbors + 1 for the default 15, so results match scanpy's approximate graph there.
 MIN_SEARCH_NEIGHBORS = 16
 METHODS = ("umap", "gauss")
+#: Distance metrics both CPU searches run (scikit-learn's brute force and pynndescent; scanpy lists the same
+#: names): the continuous ones. Boolean metrics (jaccard, dice, hamming, ...) would treat every non-zero
+#: coordinate of a PCA embedding as True; cityblock is unknown to pynndescent (use manhattan or l1).
+METRICS = ("euclidean", "sqeuclidean", "cosine", "correlation", "manhattan", "l1", "l2", "chebyshev", "minkowski",
+           "canberra", "braycurtis", "mahalanobis", "seuclidean")
 
 
 def choose_knn_method(n_obs: int, metric: str = "euclidean", knn_method: str = "auto", *, backend: str = "cpu",
@@ -48,6 +53,8 @@ def choose_knn_method(n_obs: int, metric: str = "euclidean", knn_method: str = "
     """
     if knn_method not in KNN_METHODS:
         raise ConfigError(f"knn_method must be one of {', '.join(KNN_METHODS)}, not {knn_method!r}")
+    if metric not in METRICS:
+        raise ConfigError(f"metric: {metric!r} is not one of {', '.join(METRICS)}")
     if backend == "gpu" and knn_method != "pynndescent":
         from atlasflow.tl import _gpu
 
