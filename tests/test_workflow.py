@@ -394,17 +394,32 @@ def test_deleted_stage_reruns_alone(built):
 
 
 @pytest.mark.slow
-def test_killed_stage_is_rerun_with_identical_results(built, dask_address):
-    """SIGKILL the whole snakemake process group while normalize runs: no accepted output, identical rerun."""
+def test_missing_intermediate_store_is_rebuilt_with_what_follows(built):
+    """A deleted intermediate store is rebuilt by the next plain run, and so is every store computed from it
+    (they were computed from a store that no longer exists); asked for alone, it is rebuilt alone."""
+    shutil.rmtree(results(built, "normalize"))
+    dry = snakemake(built, "--dry-run").stdout
+    assert "log1p.json was computed from results/tiny/normalize.zarr, which is missing" in dry, dry
+    target = f"results/{DATASET}/normalize.zarr"
+    assert planned_jobs(built, target) == {"normalize": 1}
+    jobs = planned_jobs(built)
+    assert {"normalize", "log1p", "hvg", "pca", "neighbors", "leiden", "final"} <= set(jobs), jobs
+    assert not {"simulate", "qc", "filter"} & set(jobs), jobs
+    proc = snakemake(built)
+    assert rules_run(proc.stdout)[0] == "normalize"
+    assert_same_store(results(built, "final"), built / "reference" / "final.zarr")
+    assert planned_jobs(built) == {}  # one consistent run again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_killed_stage_is_rerun_with_identical_results(built, dask_address, sig):
+    """`snakemake --forcerun normalize`, the whole snakemake process group killed (SIGKILL, or SIGINT as Ctrl-C
+    sends it) while normalize runs: no accepted output; the next plain run rebuilds normalize and everything
+    after it (their stores exist from the earlier run but were computed from the store that is gone)."""
     from distributed import Event
 
     _, client = dask_address
-    target = f"results/{DATASET}/normalize.zarr"
-    shutil.rmtree(results(built, "normalize"))
-    # A missing intermediate store is not rebuilt for its own sake while what depends on it is up to date;
-    # asked for, it is rebuilt alone.
-    assert planned_jobs(built) == {}
-    assert planned_jobs(built, target) == {"normalize": 1}
     log = built / "logs" / DATASET / "normalize.log"
     log.unlink(missing_ok=True)
     # Hold both workers so that the stage, once attached, cannot finish before it is killed.
@@ -412,8 +427,8 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address):
     hold.clear()
     workers = list(client.scheduler_info()["workers"])
     held = [client.submit(hold.wait, 120, workers=[w], allow_other_workers=False, pure=False) for w in workers]
-    proc = subprocess.Popen(snakemake_cmd(built, target), cwd=built, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(snakemake_cmd(built, "--forcerun", "normalize"), cwd=built, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 120
         while not (log.exists() and "attached to" in log.read_text()):
@@ -422,8 +437,8 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address):
             time.sleep(0.1)
         time.sleep(1.0)  # the stage has submitted its work by now
         assert proc.poll() is None
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=60)
     finally:
         hold.set()
         client.gather(held)
@@ -432,17 +447,17 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address):
     store = results(built, "normalize")
     assert not (store / "zarr.json").exists() and not (store / "X").exists()  # nothing that looks complete
     assert not (built / "results" / DATASET / "normalize.json").exists()
-    snakemake(built, "--unlock")  # a SIGKILLed snakemake cannot remove its lock
-    proc = snakemake(built, target)
-    assert rules_run(proc.stdout) == ["normalize"], proc.stdout
-    assert_same_store(store, built / "reference" / "normalize.zarr")
-    # the rebuilt store is newer than log1p's, which is therefore brought up to date (and what follows)
+    assert results(built, "log1p").exists()  # downstream stores of the earlier run are still there
+    if sig == signal.SIGKILL:
+        snakemake(built, "--unlock")  # a SIGKILLed snakemake cannot remove its lock
     proc = snakemake(built)
     ran = rules_run(proc.stdout)
-    assert ran[0] == "log1p" and "final" in ran and "normalize" not in ran, proc.stdout
+    assert ran[0] == "normalize" and {"log1p", "pca", "leiden", "final"} <= set(ran), proc.stdout
+    assert not {"simulate", "qc", "filter"} & set(ran), proc.stdout
+    assert_same_store(store, built / "reference" / "normalize.zarr")
     assert_same_store(results(built, "log1p"), built / "reference" / "log1p.zarr")
     assert_same_store(results(built, "final"), built / "reference" / "final.zarr")
-
+    assert planned_jobs(built) == {}
 
 def test_concurrent_run_is_refused(tmp_path, dask_address):
     """A second snakemake on the same results folder while one runs is refused by Snakemake's lock."""
@@ -593,7 +608,7 @@ def check_kill_anywhere(workdir: Path, rule: str, outputs: list[Path], rng, clie
     """SIGKILL one stage while it writes; its rerun alone rebuilds outputs equal to the uninterrupted run's."""
     reference = workdir / "kill-reference" / rule
     kept = [o for o in outputs if o.suffix != ".json"]  # the JSON summary holds timings
-    for o in outputs:  # the uninterrupted run's outputs become the reference
+    for o in [o for o in outputs if o.exists()]:  # the uninterrupted run's outputs become the reference
         dest = reference / o.relative_to(workdir)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.rename(o, dest)
@@ -604,6 +619,8 @@ def check_kill_anywhere(workdir: Path, rule: str, outputs: list[Path], rng, clie
         if o.exists():
             same_bits(o, reference / o.relative_to(workdir))
     assert not all(o.exists() for o in outputs), f"{rule} was killed {delay:.3f} s into writing yet finished"
+    # a plain run would rebuild it, although what follows it exists from the earlier run
+    assert rule in planned_jobs(workdir), f"a plain run would not rebuild the killed {rule}"
     proc = snakemake(workdir, *_targets(workdir, outputs))
     assert rules_run(proc.stdout) == [rule], proc.stdout
     for o in kept:
@@ -627,7 +644,9 @@ def test_kill_any_stage_while_it_writes(built, dask_address):
     for rule, outputs in stages.items():
         check_kill_anywhere(built, rule, outputs, rng, client)
     proc = snakemake(built)
-    assert set(rules_run(proc.stdout)) <= {"all", "report_table_markers", "report_table_pseudobulk_sum"}, proc.stdout
+    assert set(rules_run(proc.stdout)) <= {"all", "report_table_markers", "report_table_pseudobulk_sum",
+                                           "report_table_pseudobulk_mean",
+                                           "report_table_pseudobulk_count_nonzero"}, proc.stdout
     assert_same_store(results(built, "final"), built / "reference" / "final.zarr")
 
 
