@@ -117,3 +117,28 @@ def test_computed_sparse_matrix_is_computed_once_and_written_whole(source, tmp_p
     assert sorted(calls) == sorted(a.X.chunks[0])  # every block once: no counting pass before the writes
     np.testing.assert_array_equal(ad.read_zarr(tmp_path / "out.zarr").X.toarray(), expected)
     assert not [p for p in (tmp_path / "out.zarr").rglob("*") if ".pieces" in p.name]
+
+
+@pytest.mark.parametrize("int32_max", [None, 10], ids=["int32", "past-int32"])
+def test_stored_csr_index_arrays_share_one_dtype(source, tmp_path, monkeypatch, int32_max):
+    """indptr and indices of every written CSR have one dtype, as scipy makes them (int32 while the
+    non-zeros fit, else both int64): scanpy's calls on a loaded matrix fail when they differ."""
+    import zarr
+
+    from atlasflow import store
+    from atlasflow.pp._utils import take_columns
+
+    if int32_max is not None:  # a matrix past 2**31 - 1 non-zeros, in miniature
+        monkeypatch.setattr(store, "INT32_MAX", int32_max)
+    want = np.int32 if int32_max is None else np.int64
+    x = ad.read_zarr(source).X
+    cols = np.array([0, 3, 5, 6])
+    a = open_store(source, chunk_rows=15)
+    with dask.config.set(scheduler="synchronous"):  # a computed matrix: write_csr
+        write_store(ad.AnnData(X=take_columns(a.X, cols), obs=a.obs, var=a.var.iloc[cols]), tmp_path / "computed.zarr")
+    store.write_csr_blocks(tmp_path / "streamed.zarr", "X", (x[i:i + 15] for i in range(0, x.shape[0], 15)), x.shape)
+    for path, want_x in (("computed.zarr", x[:, cols]), ("streamed.zarr", x)):
+        g = zarr.open_group(str(tmp_path / path), mode="r")["X"]
+        assert g["indptr"].dtype == g["indices"].dtype == want, path
+        m = sp.csr_matrix((g["data"][:], g["indices"][:], g["indptr"][:]), shape=want_x.shape)
+        np.testing.assert_array_equal(m.toarray(), want_x.toarray())

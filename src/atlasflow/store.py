@@ -53,6 +53,17 @@ ad.settings.zarr_write_format = 3
 #: Set globally too: arrays reopened on the workers do not keep a per-array runtime config.
 FULL_CHUNKS = {"write_empty_chunks": True}
 zarr.config.set({"array.write_empty_chunks": True})
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def index_dtype(nnz: int, n_cols: int) -> np.dtype:
+    """The one dtype of a stored CSR's ``indptr`` and ``indices``: int32 while every offset and column fits,
+    else int64, as scipy builds them. A loaded matrix whose two differ (int64 indptr, int32 indices) makes
+    scipy's sparse routines fail ("Output dtype not compatible with inputs"), e.g. in scanpy's
+    rank_genes_groups or ``X.eliminate_zeros()``."""
+    return np.dtype(np.int32 if max(int(nnz), int(n_cols)) <= INT32_MAX else np.int64)
+
+
 #: Zarr chunks encoded or decoded at once per read/write call. Zarr's default (10) keeps ~10 chunks of
 #: buffers alive per call (~67 MiB extra to write a 9.6M-element block, measured); 4 costs no speed
 #: on local or parallel filesystems here and cuts that to ~30 MiB. Env ATLASFLOW_ZARR_CONCURRENCY.
@@ -615,10 +626,11 @@ def write_csr_dask(root_path: Path, key: str, x: da.Array, *, row_nnz: np.ndarra
     group.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": [int(n), int(m)]})
     dtype = np.dtype(x.dtype)
     chunk = min(FLAT_CHUNK, max(nnz, 1))
+    idx = index_dtype(nnz, m)
     group.create_array("data", shape=(nnz,), chunks=(chunk,), dtype=dtype, fill_value=0, config=FULL_CHUNKS)
-    group.create_array("indices", shape=(nnz,), chunks=(chunk,), dtype=np.int32, fill_value=0, config=FULL_CHUNKS)
-    group.create_array("indptr", shape=(n + 1,), chunks=(min(FLAT_CHUNK, n + 1),), dtype=np.int64, fill_value=0, config=FULL_CHUNKS)
-    group["indptr"][:] = indptr
+    group.create_array("indices", shape=(nnz,), chunks=(chunk,), dtype=idx, fill_value=0, config=FULL_CHUNKS)
+    group.create_array("indptr", shape=(n + 1,), chunks=(min(FLAT_CHUNK, n + 1),), dtype=idx, fill_value=0, config=FULL_CHUNKS)
+    group["indptr"][:] = indptr.astype(idx)
     starts = np.cumsum((0,) + x.chunks[0])[:-1]
     offsets = indptr[starts]
     lock_ns = uuid.uuid4().hex
@@ -684,7 +696,7 @@ def _write_csr_block(block, path: str, offsets, nnz: int, chunk: int, lock_ns: s
     group = zarr.open_group(path, mode="r+")
     data, indices = group["data"], group["indices"]
     values = np.asarray(block.data, dtype=data.dtype)
-    cols = np.asarray(block.indices, dtype=np.int32)
+    cols = np.asarray(block.indices, dtype=indices.dtype)
     for lo, hi, guarded in _split_by_chunk(start, stop, chunk):
         with _chunk_lock(f"{lock_ns}-{lo // chunk}") if guarded else contextlib.nullcontext():
             data[lo:hi] = values[lo - start : hi - start]
@@ -789,11 +801,27 @@ def write_csr_blocks(root_path: Path, key: str, blocks: Iterable[sp.csr_matrix],
     if data is None:
         group.create_array("data", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.float32, fill_value=0, config=FULL_CHUNKS)
         group.create_array("indices", shape=(0,), chunks=(FLAT_CHUNK,), dtype=np.int32, fill_value=0, config=FULL_CHUNKS)
+    idx = index_dtype(nnz, m)
+    if idx != np.int32:  # more than 2**31 - 1 non-zeros: indices as wide as indptr (one more pass over them)
+        _widen(root_path / key, "indices", idx)
     ptr = np.concatenate(indptr)
-    arr = group.create_array("indptr", shape=ptr.shape, chunks=(min(FLAT_CHUNK, ptr.shape[0]),), dtype=np.int64,
+    arr = group.create_array("indptr", shape=ptr.shape, chunks=(min(FLAT_CHUNK, ptr.shape[0]),), dtype=idx,
                               config=FULL_CHUNKS)
-    arr[:] = ptr
+    arr[:] = ptr.astype(idx)
     return nnz
+
+
+def _widen(group_path: Path, name: str, dtype) -> None:
+    """Rewrite the 1-d array ``name`` of a local Zarr group with a wider dtype, one chunk at a time."""
+    group = zarr.open_group(str(group_path), mode="r+")
+    old = group[name]
+    wide = group.create_array(f".{name}.wide", shape=old.shape, chunks=old.chunks, dtype=dtype, fill_value=0,
+                              config=FULL_CHUNKS)
+    step = old.chunks[0]
+    for lo in range(0, old.shape[0], step):
+        wide[lo : lo + step] = old[lo : lo + step].astype(dtype)
+    shutil.rmtree(group_path / name)
+    os.rename(group_path / f".{name}.wide", group_path / name)
 
 
 def link_tree(src: Path, dst: Path) -> None:
