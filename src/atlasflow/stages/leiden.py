@@ -63,6 +63,8 @@ def add_cluster_arguments(p, *, algorithm: str, resolution_default):
     p.add_argument("--neighbors-key", dest="neighbors_key", default=None,
                    help="cluster the graph of uns[KEY]; none: uns['neighbors']")
     p.add_argument("--obsp", default=None, help="cluster obsp[OBSP] instead of the neighbors connectivities")
+    p.add_argument("--sort-by-size", dest="sort_by_size", action=argparse.BooleanOptionalAction, default=False,
+                   help="rename clusters by decreasing size ('0' the largest); default: scanpy's names")
 
 
 def run_clustering(args, algorithm: str, cluster, **options) -> dict:
@@ -76,7 +78,7 @@ def run_clustering(args, algorithm: str, cluster, **options) -> dict:
         adata, optional_positive_float(args.resolution, "resolution"), resolutions=resolutions, restrict_to=restrict_to,
         random_state=optional_int(args.random_state, "random_state"), key_added=args.key_added,
         neighbors_key=args.neighbors_key,
-        obsp=args.obsp, backend=backend, **options,
+        obsp=args.obsp, backend=backend, sort_by_size=bool(args.sort_by_size), **options,
     )
     keys = output_keys(algorithm, args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
                        resolutions=resolutions)

@@ -7,11 +7,13 @@ as scanpy builds it (one edge per stored entry of the connectivities, weights = 
 random numbers come from a NumPy RandomState seeded with ``random_state``, the way scanpy seeds them, so
 the same graph, flavor and seed give scanpy's partition.
 
+Cluster names are scanpy's: the ids of the partition the flavor returns (igraph keeps its membership ids;
+leidenalg and louvain number by size themselves), so the same graph gives scanpy's labels, not only its
+partition. ``sort_by_size=True`` renames them by decreasing size ('0' the largest, ties in the flavor's
+order), the same for every flavor.
+
 Differences from scanpy, on purpose:
 
-* cluster ids are ordered by size ('0' is the largest cluster; ties keep igraph's order), for every
-  flavor. scanpy's default flavor (leidenalg) numbers by size too, its igraph flavor does not: labels then
-  equal scanpy's up to renaming.
 * several resolutions share one graph: ``resolutions=[0.5, 1]`` adds ``{key_added}_r0.5``, ``..._r1.0``.
 * louvain flavor 'igraph' honours ``resolution`` (scanpy ignores it for that flavor) and is seeded.
 """
@@ -216,7 +218,7 @@ def _use_cugraph(algorithm: str, backend: str, flavor: str, extra_args) -> bool:
 
 def _run(
     adata, *, algorithm: str, resolution, resolutions, restrict_to, key_added, adjacency, obsp, neighbors_key,
-    partition, params_of,
+    partition, params_of, sort_by_size: bool = False,
 ) -> dict[str, pd.Categorical]:
     """Shared driver: pick the graph, restrict it, partition it at each resolution, store the labels."""
     adjacency = choose_graph(adata, obsp, neighbors_key) if adjacency is None else sp.csr_matrix(adjacency)
@@ -234,7 +236,9 @@ def _run(
     graph_cache: dict = {}
     out = {}
     for key, res in jobs.items():
-        groups = order_by_size(partition(adjacency, res, graph_cache))
+        groups = np.asarray(partition(adjacency, res, graph_cache), dtype=np.int64)
+        if sort_by_size:  # else the flavor's own ids, as scanpy names them
+            groups = order_by_size(groups)
         labels = groups.astype(str) if restricted is None else _full_labels(adata, *restricted, groups)
         adata.obs[key] = _categorical(labels)
         adata.uns[key] = {"params": params_of(res)}
@@ -259,10 +263,12 @@ def leiden(
     obsp: str | None = None,
     flavor: str = "igraph",
     backend: str = "cpu",
+    sort_by_size: bool = False,
     copy: bool = False,
     **clustering_args: Any,
 ) -> ad.AnnData | None:
-    """Leiden clustering (scanpy.tl.leiden): ``obs[key_added]`` categorical '0', '1', ... by size.
+    """Leiden clustering (scanpy.tl.leiden): ``obs[key_added]`` categorical '0', '1', ..., named as scanpy
+    names them (``sort_by_size``: renamed by decreasing size).
 
     flavor 'igraph': ``Graph.community_leiden`` with the modularity objective on the undirected graph;
     'leidenalg': ``leidenalg.find_partition`` with RBConfigurationVertexPartition (directed unless
@@ -316,7 +322,8 @@ def leiden(
 
     _run(adata, algorithm="leiden", resolution=resolution, resolutions=resolutions, restrict_to=restrict_to,
          key_added=key_added, adjacency=adjacency, obsp=obsp, neighbors_key=neighbors_key, partition=partition,
-         params_of=lambda r: {"resolution": r, "random_state": random_state, "n_iterations": n_iterations})
+         params_of=lambda r: {"resolution": r, "random_state": random_state, "n_iterations": n_iterations},
+         sort_by_size=sort_by_size)
     return adata if copy else None
 
 
@@ -336,9 +343,11 @@ def louvain(
     neighbors_key: str | None = None,
     obsp: str | None = None,
     backend: str = "cpu",
+    sort_by_size: bool = False,
     copy: bool = False,
 ) -> ad.AnnData | None:
-    """Louvain clustering (scanpy.tl.louvain): ``obs[key_added]`` categorical '0', '1', ... by size.
+    """Louvain clustering (scanpy.tl.louvain): ``obs[key_added]`` categorical '0', '1', ..., named as scanpy
+    names them (``sort_by_size``: renamed by decreasing size).
 
     flavor 'igraph' (default here: the louvain package is optional): ``Graph.community_multilevel`` on
     the undirected graph, seeded and with ``resolution`` (default 1); 'vtraag': the louvain package with
@@ -386,7 +395,7 @@ def louvain(
 
     _run(adata, algorithm="louvain", resolution=resolution, resolutions=resolutions, restrict_to=restrict_to,
          key_added=key_added, adjacency=adjacency, obsp=obsp, neighbors_key=neighbors_key, partition=partition,
-         params_of=lambda r: {"resolution": r, "random_state": random_state})
+         params_of=lambda r: {"resolution": r, "random_state": random_state}, sort_by_size=sort_by_size)
     return adata if copy else None
 
 
