@@ -36,13 +36,12 @@ log = logging.getLogger("atlasflow")
 def build_parser(stage: ModuleType, name: str) -> argparse.ArgumentParser:
     """The stage's parser: common options (I/O, cluster, logging) plus the stage's own."""
     p = argparse.ArgumentParser(
-        prog=f"scripts/{name}.py", description=stage.DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog=f"scripts/{name}.py", description=stage.DESCRIPTION, formatter_class=DefaultsHelpFormatter,
     )
     io = p.add_argument_group("input/output")
     if getattr(stage, "TAKES_INPUT", True):
-        io.add_argument("--input", help="input AnnData Zarr store")
-    io.add_argument("--output", help="output store to write (written atomically)")
+        io.add_argument("--input", help="input AnnData Zarr store (required)")
+    io.add_argument("--output", help="output store to write (written atomically; required)")
     io.add_argument("--summary", help="JSON summary to write (default: OUTPUT with .json instead of .zarr)")
     io.add_argument("--log", help="also write the log to this file")
     io.add_argument("--chunk-rows", type=int, default=None,
@@ -58,6 +57,17 @@ def build_parser(stage: ModuleType, name: str) -> argparse.ArgumentParser:
                     help="dask-cuda cluster preset when the backend is gpu")
     stage.add_arguments(p.add_argument_group(f"{name} parameters"))
     return p
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help lines with ``(default: X)`` where a default says something (not for None, False or [])."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, [], argparse.SUPPRESS) or \
+                action.option_strings == [] or action.nargs == 0:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def args_from_snakemake(parser: argparse.ArgumentParser, smk) -> argparse.Namespace:
@@ -170,7 +180,7 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
         log.error("unexpected failure:\n%s", traceback.format_exc())
         print(f"atlasflow {name}: error: {type(exc).__name__}: {exc} (traceback in the log)", file=sys.stderr)
         return 1
-    summary = {"stage": name, "seconds": round(time.time() - t0, 3), **summary, "inputs": inputs}
+    summary = {"stage": name, "seconds": round(time.time() - t0, 3), **summary, "input_stores": inputs}
     from atlasflow.store import write_summary
 
     try:
@@ -297,13 +307,32 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    stages = stage_names()
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: atlasflow STAGE [options]   (see python scripts/STAGE.py --help)\n"
-              "       atlasflow cluster start|stop --scheduler-file FILE   (one Dask cluster for a run)")
+        print("usage: atlasflow STAGE [options]   (atlasflow STAGE --help: the stage's options)\n"
+              "       atlasflow cluster start|stop --scheduler-file FILE   (one Dask cluster for a run)\n\n"
+              "stages:\n" + "\n".join(f"  {n:<18} {importlib.import_module(f'atlasflow.stages.{n}').DESCRIPTION}"
+                                     for n in stages))
         return 0
     if argv[0] == "cluster":
         from atlasflow import shared_cluster
 
         return shared_cluster.main(argv[1:])
+    if argv[0] not in stages:
+        import difflib
+
+        hint = difflib.get_close_matches(argv[0], stages, n=1)
+        print(f"atlasflow: error: no stage {argv[0]!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+              + f"; stages: {', '.join(stages)}", file=sys.stderr)
+        return 2
     stage = importlib.import_module(f"atlasflow.stages.{argv[0]}")
     return stage_main(stage, argv=argv[1:])
+
+
+def stage_names() -> list[str]:
+    """The stages ``atlasflow STAGE`` runs: the modules of atlasflow.stages (not the private ones)."""
+    import pkgutil
+
+    from atlasflow import stages
+
+    return sorted(m.name for m in pkgutil.iter_modules(stages.__path__) if not m.name.startswith("_"))

@@ -2,7 +2,7 @@
 
 Snakemake does not rebuild a missing intermediate output while what depends on it is up to date (a killed
 `--forcerun pca` leaves pca.zarr missing and neighbors.zarr from the earlier run: "Nothing to be done"). Every
-stage records in its JSON summary the id of each atlasflow store it read (`inputs`, atlasflow.cli). Here,
+stage records in its JSON summary the id of each atlasflow store it read (`input_stores`, atlasflow.cli). Here,
 before Snakemake builds its DAG, an output whose recorded input store is missing or was rewritten since is
 *stale*: its summary is moved aside (mark_stale_outputs), so Snakemake sees that stage's output missing and
 rebuilds it, the missing input store and everything after it, and nothing else. A run with explicit
@@ -33,7 +33,7 @@ def _summaries():
     for name in DATASETS:
         for summary in sorted(Path("results", name).glob("*.json")):
             try:
-                recorded = _json.loads(summary.read_text()).get("inputs") or {}
+                recorded = _json.loads(summary.read_text()).get("input_stores") or {}
             except (OSError, ValueError, AttributeError):
                 continue
             out[summary] = [e for e in recorded.values() if isinstance(e, dict) and "path" in e]
