@@ -90,3 +90,25 @@ def test_small_scatter_is_rasterized():
     pl.scatter_embedding(ax, np.random.default_rng(0).normal(size=(500, 2)), pd.Series(np.arange(500.0)))
     assert ax.collections[0].get_rasterized()
     plt.close(fig)
+
+
+def test_figures_read_at_a_glance():
+    """UMAP legend readable (>= 8 pt), dot plot axes titled, a gene range's two thresholds in two styles."""
+    rng = np.random.default_rng(0)
+    obs = pd.DataFrame({"leiden": pd.Categorical(rng.integers(0, 8, 500).astype(str)),
+                        "n_genes_by_counts": rng.normal(1000, 200, 500), "total_counts": rng.normal(3000, 500, 500),
+                        "pct_counts_mt": rng.uniform(0, 10, 500), "sample": pd.Categorical(["s1"] * 500)})
+    fig = pl.embedding("umap", rng.normal(size=(500, 2)), obs, ["leiden"])
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert legends and min(t.get_fontsize() for t in legends[0].get_texts()) >= 8
+    plt.close(fig)
+    mean = pd.DataFrame(rng.random((3, 4)), index=["0", "1", "2"], columns=list("ABCD"))
+    fig = pl.marker_dotplot(mean, mean / 2)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() and ax.get_ylabel()
+    plt.close(fig)
+    fig = pl.qc_violin(obs, {"min_genes": 500, "max_genes": 1500})
+    lines = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label().startswith(("min_genes", "max_genes"))]
+    assert len(lines) == 2 and lines[0].get_linestyle() != lines[1].get_linestyle()
+    assert lines[0].get_color() != lines[1].get_color()
+    plt.close(fig)
