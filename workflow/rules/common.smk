@@ -155,9 +155,58 @@ def check_config(cfg):
     Snakemake's validate() fills defaults while it validates and stops at the first error; this check
     runs first so a user sees all mistakes, each as ``config.<dotted.key>: problem`` (config_error).
     """
+    coerce_command_line_values(cfg, SCHEMA)
     errors = _config_errors(cfg, SCHEMA)
     if errors:
         config_error(errors)
+
+
+def coerce_command_line_values(value, schema):
+    """Read text where the schema wants a number, boolean or null as YAML, in place.
+
+    `snakemake --config leiden='{resolution: 0.8}'` gives {'resolution': '0.8'}: Snakemake reads nested
+    command-line values with YAML's BaseLoader, which keeps every scalar as text. A value read back as a
+    type its key accepts (and the key does not accept text) is replaced; anything else is left to the
+    schema's one-line error.
+    """
+    schema = _deref(schema)
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else {})
+            if isinstance(item, str):
+                value[key] = _typed(item, sub)
+            else:
+                coerce_command_line_values(item, sub)
+    elif isinstance(value, list):
+        items = schema.get("items", {})
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                value[i] = _typed(item, items)
+            else:
+                coerce_command_line_values(item, items)
+
+
+def _typed(text, schema):
+    schema = _deref(schema)
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else list(types)
+    for option in schema.get("anyOf", []) + schema.get("oneOf", []):
+        option_type = _deref(option).get("type", [])
+        types += [option_type] if isinstance(option_type, str) else list(option_type)
+    if not types or "string" in types:
+        return text
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    kinds = {"number": (int, float), "integer": (int,), "boolean": (bool,), "null": (type(None),),
+             "array": (list,), "object": (dict,)}
+    ok = any(isinstance(parsed, kinds.get(t, ())) and not (t in ("number", "integer") and isinstance(parsed, bool))
+             for t in types)
+    if ok and isinstance(parsed, (list, dict)):
+        coerce_command_line_values(parsed, schema)
+    return parsed if ok else text
 
 
 #: Cut-off pairs no value can pass when low > high: (section, low key, high key, what it means).
