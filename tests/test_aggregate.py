@@ -215,3 +215,22 @@ def test_workflow_writes_the_csvs_its_rule_declares(client, tmp_path):
         proc = _snakemake(tmp_path, config, "--dry-run")
         assert proc.returncode != 0 and f"config.aggregate.csv_prefix: {prefix!r}" in proc.stdout, proc.stdout
         assert words in proc.stdout and "Traceback" not in proc.stdout, proc.stdout
+
+
+def test_group_names_with_a_slash(client, tmp_path):
+    """Cluster names such as 'T/NK' (a Zarr path separator) go through aggregate and rank_genes_groups."""
+    from atlasflow.stages import rank_genes_groups as rgg_stage
+
+    raw, groups = _small_inputs(tmp_path)
+    labels = ad.read_zarr(groups).obs["leiden"].cat.rename_categories({"0": "T/NK", "1": "B/plasma"})
+    with dask.config.set(scheduler="synchronous"):
+        groups = write_store(ad.AnnData(obs=pd.DataFrame({"leiden": labels})), tmp_path / "named.zarr", chunk_rows=50)
+    assert run_stage(client, "--input", raw, "--groups-store", groups, "--output", tmp_path / "agg.zarr",
+                     "--func", "sum") == 0
+    assert list(ad.read_zarr(tmp_path / "agg.zarr").obs_names) == list(labels.cat.categories)
+    out = tmp_path / "rgg.zarr"
+    assert stage_main(rgg_stage, argv=["--input", str(raw), "--groups-store", str(groups), "--groupby", "leiden",
+                                       "--output", str(out), "--address", client.scheduler.address]) == 0
+    names = ad.read_zarr(out).uns["rank_genes_groups"]["names"]
+    assert set(names.dtype.names) == {"2", "B/plasma", "T/NK"}
+    assert set(pd.read_csv(tmp_path / "rgg.csv")["group"].astype(str)) == {"2", "B/plasma", "T/NK"}
