@@ -92,7 +92,13 @@ def args_from_snakemake(parser: argparse.ArgumentParser, smk) -> argparse.Namesp
 
 
 def setup_logging(logfile: str | None) -> None:
-    """Log to stderr and, when given, to the rule's log file."""
+    """Log to stderr and, when given, to the rule's log file.
+
+    distributed is imported first: importing it applies its own logging config, which sets its loggers
+    back to INFO (~40 lines of scheduler and worker chatter before a hand-run stage's own lines).
+    """
+    import distributed  # noqa: F401 - for its logging side effect, before the levels below
+
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if logfile:
         Path(logfile).parent.mkdir(parents=True, exist_ok=True)
