@@ -206,7 +206,7 @@ NAN, INF = float("nan"), float("inf")
 def _own_stderr(proc) -> list[str]:
     """stderr without the line Snakemake prints before reading the Snakefile when it applies a profile."""
     lines = proc.stderr.splitlines()
-    return lines[1:] if lines and lines[0].startswith("Using workflow specific profile") else lines
+    return lines[1:] if lines and lines[0].startswith(("Using workflow specific profile", "Using profiles")) else lines
 
 
 @pytest.mark.parametrize(
@@ -283,6 +283,17 @@ def test_command_line_numbers_are_numbers(tmp_path):
     bad = subprocess.run(snakemake_cmd(tmp_path, "--dry-run", "--config", "leiden={resolution: lots}"), cwd=tmp_path,
                          text=True, capture_output=True)
     assert bad.returncode != 0 and "config.leiden.resolution" in bad.stderr, bad.stderr
+
+
+def test_slurm_profile_placeholders_are_refused(tmp_path):
+    """profiles/slurm as shipped (`<your-partition>`): one line first on stderr, before anything is submitted."""
+    write_config(tmp_path, TINY_CONFIG)
+    proc = subprocess.run(snakemake_cmd(tmp_path, "--dry-run", "--profile", str(ROOT / "profiles" / "slurm")),
+                          cwd=tmp_path, text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    first = _own_stderr(proc)[0]
+    assert first.startswith("default-resources: slurm_partition=") and "placeholder of profiles/slurm" in first, first
+    assert not (tmp_path / "results").exists()
 
 
 def test_one_target_builds_only_what_it_needs(tmp_path):

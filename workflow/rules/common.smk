@@ -75,6 +75,16 @@ def config_error(lines):
     sys.exit(1)
 
 
+def check_site_placeholders():
+    """Refuse a profile whose site values are still the placeholders profiles/slurm ships (`<your-partition>`),
+    one line: SLURM would reject every job, or silently queue it nowhere, after the DAG is built."""
+    args = getattr(workflow.resource_settings.default_resources, "args", None) or []
+    left = [a for a in args if re.search(r"<your-[\w-]+>", str(a))]
+    if left:
+        config_error([f"default-resources: {', '.join(left)} is a placeholder of profiles/slurm: set your site's "
+                      "value in the profile (sinfo -s lists partitions; see profiles/slurm/README.md)"])
+
+
 def _deref(schema):
     """A schema with its $ref (into the config schema's $defs) resolved; sibling keys win."""
     if isinstance(schema, dict) and "$ref" in schema:
