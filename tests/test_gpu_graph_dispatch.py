@@ -237,16 +237,20 @@ def test_leiden_and_louvain_on_cugraph(graph_adata, fake_cugraph, pretend_gpu, c
         leiden(graph_adata, 0.5, backend="gpu")
         leiden(graph_adata, 0.5, backend="gpu", n_iterations=-1, key_added="stable")
         louvain(graph_adata, backend="gpu")
-    assert sum("cuGraph on the GPU" in r.getMessage() for r in caplog.records) == 3
+        leiden(graph_adata, 0.5, backend="gpu", sort_by_size=True, key_added="by_size")
+    assert sum("cuGraph on the GPU" in r.getMessage() for r in caplog.records) == 4
     # igraph's n_iterations (2 passes by default) is not cuGraph's max_iter (levels): cuGraph's own cap, always
-    assert [c[2]["max_iter"] for c in fake_cugraph.leiden.calls] == [100, 100]
+    assert [c[2]["max_iter"] for c in fake_cugraph.leiden.calls] == [100, 100, 100]
     assert fake_cugraph.louvain.calls[0][2] == {"max_level": 100}
-    for key in ("leiden", "louvain"):
+    for key in ("leiden", "louvain"):  # named by cuGraph's partition ids, as the CPU keeps igraph's
         labels = graph_adata.obs[key]
         assert list(labels.cat.categories) == [str(i) for i in range(labels.cat.categories.size)]
-        sizes = labels.value_counts(sort=False).to_numpy()
-        assert (np.diff(sizes) <= 0).all()  # '0' is the largest cluster, as on the CPU
         assert graph_adata.uns[key]["params"]["resolution"] == (0.5 if key == "leiden" else None)
+    by_size = graph_adata.obs["by_size"]
+    pairs = pd.crosstab(graph_adata.obs["leiden"], by_size) > 0  # same partition, renamed: one-to-one
+    assert (pairs.sum(axis=0) == 1).all() and (pairs.sum(axis=1) == 1).all()
+    assert list(by_size.cat.categories) == [str(i) for i in range(by_size.cat.categories.size)]
+    assert (np.diff(by_size.value_counts(sort=False).to_numpy()) <= 0).all()  # '0' the largest
 
 
 def test_without_cugraph_clustering_runs_on_the_cpu_and_says_so(graph_adata, pretend_gpu, monkeypatch, caplog):
