@@ -107,3 +107,20 @@ def test_h5ad_export_skipped_above_limit(stores, tmp_path):
     assert stage_main(stage, argv=argv) == 0
     assert not h5.exists()
     assert "h5ad_max_gb" in json.loads((tmp_path / "f.json").read_text())["h5ad_skipped"]
+
+
+def test_h5ad_index_arrays_widen_together_past_int32(tmp_path, monkeypatch):
+    """Past 2**31 - 1 non-zeros (in miniature) the h5ad's indices are widened to indptr's int64."""
+    import dask.array as da
+    import h5py
+    import scipy.sparse as sp
+
+    from atlasflow import final, store
+
+    monkeypatch.setattr(store, "INT32_MAX", 10)
+    x = sp.random(30, 8, density=0.4, format="csr", random_state=0, dtype=np.float32)
+    a = ad.AnnData(X=da.from_array(x, chunks=(10, 8), asarray=False))
+    final.write_h5ad(a, tmp_path / "wide.h5ad")
+    with h5py.File(tmp_path / "wide.h5ad", "r") as f:
+        assert f["X/indptr"].dtype == f["X/indices"].dtype == np.int64
+    np.testing.assert_array_equal(sc.read_h5ad(tmp_path / "wide.h5ad").X.toarray(), x.toarray())

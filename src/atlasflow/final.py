@@ -25,7 +25,7 @@ import scipy.sparse as sp
 from atlasflow import ownership
 from atlasflow.errors import InputError
 from atlasflow.plots import palette, read_slots
-from atlasflow.store import index_dtype, open_store
+from atlasflow.store import copy_by_chunk, index_dtype, open_store
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +171,8 @@ def _stream_csr(f, key, x, dask):
         indices = g.create_dataset("indices", shape=(0,), dtype=np.int32)
     idx = index_dtype(nnz, m)  # indptr and indices of one dtype, as scipy makes them
     if idx != indices.dtype:
-        wide = g.create_dataset(".indices.wide", shape=indices.shape, dtype=idx, chunks=indices.chunks)
-        step = indices.chunks[0]
-        for lo in range(0, indices.shape[0], step):
-            wide[lo : lo + step] = indices[lo : lo + step].astype(idx)
+        copy_by_chunk(indices, g.create_dataset(".indices.wide", shape=indices.shape, maxshape=indices.maxshape,
+                                                dtype=idx, chunks=indices.chunks))  # resizable: chunks > shape
         del g["indices"]
         g.move(".indices.wide", "indices")
     g.create_dataset("indptr", data=np.concatenate(indptr).astype(idx))

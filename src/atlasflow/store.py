@@ -817,11 +817,16 @@ def _widen(group_path: Path, name: str, dtype) -> None:
     old = group[name]
     wide = group.create_array(f".{name}.wide", shape=old.shape, chunks=old.chunks, dtype=dtype, fill_value=0,
                               config=FULL_CHUNKS)
-    step = old.chunks[0]
-    for lo in range(0, old.shape[0], step):
-        wide[lo : lo + step] = old[lo : lo + step].astype(dtype)
+    copy_by_chunk(old, wide)
     shutil.rmtree(group_path / name)
     os.rename(group_path / f".{name}.wide", group_path / name)
+
+
+def copy_by_chunk(src, dst) -> None:
+    """Copy a 1-d array (Zarr or h5py) into ``dst``, cast to its dtype, one chunk of ``src`` at a time."""
+    step = src.chunks[0] if src.chunks else max(src.shape[0], 1)  # an unchunked h5py dataset: at once
+    for lo in range(0, src.shape[0], step):
+        dst[lo : lo + step] = src[lo : lo + step].astype(dst.dtype)
 
 
 def link_tree(src: Path, dst: Path) -> None:
