@@ -292,7 +292,7 @@ def fused_child(raw: str, out: str, timings: str, workers: int, memory_limit: st
         step("qc", qc)
         f = p["filter"]
         thresholds = {k: v for k, v in f.items() if k != "min_cells"}
-        cells, genes, _ = step("filter", lambda: pp.qc_filter_masks(a.obs, a.var, thresholds=thresholds,
+        cells, genes, _ = step("filter", lambda: pp.qc_filter_masks(a, thresholds=thresholds,
                                                                     min_cells=f["min_cells"]))
         a = pp.filter_cells_genes(a, cells, genes)
         step("normalize", lambda: pp.normalize_total(a, target_sum=p["normalize"]["target_sum"]))

@@ -168,7 +168,7 @@ def run_stage(stage, st, args):
         a.var["mt"] = pp.gene_set_masks(a.var, {"mt": {"prefix": "MT-"}})["mt"]
         pp.calculate_qc_metrics(a, qc_vars=["mt"], percent_top=[50, 100, 200, 500])
     elif stage == "filter":
-        cells, genes, _ = pp.qc_filter_masks(a.obs, a.var, thresholds={"min_genes": 200, "max_pct_mt": 20},
+        cells, genes, _ = pp.qc_filter_masks(a, thresholds={"min_genes": 200, "max_pct_mt": 20},
                                              min_cells=3)
         st["a"] = pp.filter_cells_genes(a, cells, genes)
     elif stage == "normalize":

@@ -1,4 +1,5 @@
-"""A tiny synthetic set of stage stores (qc, filter, log1p, hvg, umap, rank_genes_groups) for plots/final tests.
+"""A tiny synthetic set of stage stores (qc, filter, log1p, hvg, leiden, umap, rank_genes_groups) for plots/final
+tests, laid out as the workflow's: the labels in the leiden store, the umap store without them.
 
 Built directly with scanpy in memory and written with ``write_store``; no atlasflow stage runs.
 """
@@ -30,7 +31,7 @@ def build(root):
     a = sc.AnnData(sp.csr_matrix(counts), obs=obs, var=pd.DataFrame(index=var_names))
     a.var["mt"] = a.var_names.str.startswith("MT-")
     sc.pp.calculate_qc_metrics(a, qc_vars=["mt"], percent_top=None, inplace=True)
-    paths = {s: root / f"{s}.zarr" for s in ("qc", "filter", "log1p", "hvg", "umap", "rank_genes_groups")}
+    paths = {s: root / f"{s}.zarr" for s in ("qc", "filter", "log1p", "hvg", "leiden", "umap", "rank_genes_groups")}
     write_store(a, paths["qc"], chunk_rows=CHUNK)
     write_store(a, paths["filter"], chunk_rows=CHUNK)
     b = a.copy()
@@ -51,8 +52,11 @@ def build(root):
     h.uns["neighbors"] = {"connectivities_key": "connectivities", "distances_key": "distances",
                           "params": {"n_neighbors": 12, "method": "umap"}}
     h.uns["leiden"] = {"params": {"resolution": 1.0}}
-    h.uns["umap"] = {"params": {"a": 1.0, "b": 1.0}}
-    write_store(h, paths["umap"], chunk_rows=CHUNK)
+    write_store(h, paths["leiden"], chunk_rows=CHUNK)
+    u = h.copy()
+    del u.obs["leiden"], u.uns["leiden"]
+    u.uns["umap"] = {"params": {"a": 1.0, "b": 1.0}}
+    write_store(u, paths["umap"], chunk_rows=CHUNK)
     b.obs["leiden"] = h.obs["leiden"]
     sc.tl.rank_genes_groups(b, "leiden", method="t-test")
     lazy = open_store(paths["log1p"])

@@ -27,7 +27,7 @@ def stores(tmp_path_factory):
 def _argv(paths, out, *extra):
     return ["--input", str(paths["log1p"]), "--output", str(out), "--counts", str(paths["filter"]),
             "--hvg-store", str(paths["hvg"]), "--embedding-store", str(paths["umap"]),
-            "--markers-store", str(paths["rank_genes_groups"]), *extra]
+            "--clusters-store", str(paths["leiden"]), "--markers-store", str(paths["rank_genes_groups"]), *extra]
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,7 @@ def stores(pca_store) -> dict[str, Path]:
                 "--n-neighbors", N_NEIGHBORS, "--n-pcs", N_PCS) == 0
     assert _run(leiden_stage, "--input", out["neighbors"], "--output", out["leiden"],
                 "--resolution", RESOLUTION, "--resolutions", 0.5, 1.0) == 0
-    assert _run(umap_stage, "--input", out["leiden"], "--output", out["umap"]) == 0
+    assert _run(umap_stage, "--input", out["neighbors"], "--output", out["umap"]) == 0
     return out
 
 

@@ -38,7 +38,8 @@ def test_all_plots(stores, tmp_path):
     out = tmp_path / "plots"
     argv = ["--output", str(out), "--summary", str(tmp_path / "plots.json"), "--dpi", "60",
             "--qc-store", str(paths["qc"]), "--hvg-store", str(paths["hvg"]),
-            "--embedding-store", str(paths["umap"]), "--markers-store", str(paths["rank_genes_groups"]),
+            "--embedding-store", str(paths["umap"]), "--clusters-store", str(paths["leiden"]),
+            "--markers-store", str(paths["rank_genes_groups"]),
             "--thresholds", json.dumps({"min_genes": 20, "max_genes": 55, "max_pct_mt": 40})]
     assert stage_main(stage, argv=argv) == 0
     for name in stage.ALL_PLOTS:

@@ -201,7 +201,7 @@ def stage_main(stage: ModuleType, snakemake=None, argv: list[str] | None = None)
 
 #: Arguments holding paths: made absolute so that workers started in another directory find them.
 PATH_ARGS = ("input", "output", "summary", "log", "per_sample", "sample_sheet", "counts", "groups_store",
-             "scheduler_file", "unscaled")
+             "clusters_store", "scheduler_file", "unscaled")
 
 
 def output_paths(stage: ModuleType, args) -> list[tuple[str, str, str]]:

@@ -3,10 +3,13 @@
 * X: the log-normalised full-gene matrix of the log1p store, and layer ``counts``: the filtered raw
   counts (X of the filter store). Both are lazy arrays read unchanged, so ``write_store`` hard-links
   their chunk files: nothing is copied.
-* obs: of the embedding store (clusters, QC metrics, ...) plus columns only other stores have.
+* obs: of the embedding store (QC metrics, ...) plus the columns only other stores have: the clusters
+  store's labels (e.g. leiden; the umap stage reads the graph, not the labels, so a new resolution does
+  not re-run umap), the markers store's.
 * var: of the hvg store (every gene, with highly_variable, means, dispersions, QC columns).
-* obsm / obsp / uns: of the embedding store (X_pca, X_umap, the graph, pca/neighbors/leiden/umap), plus
-  ``uns['rank_genes_groups']`` of the markers store and ``<key>_colors`` for categorical obs columns.
+* obsm / obsp / uns: of the embedding store (X_pca, X_umap, the graph, pca/neighbors/umap), plus the
+  clusters store's uns entries (``uns['leiden']``), ``uns['rank_genes_groups']`` of the markers store and
+  ``<key>_colors`` for categorical obs columns.
 * varm PCs: computed on the HVG subset; expanded to all genes with zero rows elsewhere, as scanpy does
   with ``mask_var``.
 """
@@ -68,7 +71,8 @@ def add_colors(adata: ad.AnnData, max_categories: int = 100) -> list[str]:
     return added
 
 
-def assemble(log1p, counts=None, hvg=None, embedding=None, markers=None, chunk_rows=None) -> ad.AnnData:
+def assemble(log1p, counts=None, hvg=None, embedding=None, clusters=None, markers=None,
+             chunk_rows=None) -> ad.AnnData:
     """The final AnnData (lazy X and counts layer) from the stores' paths; only small slots are loaded."""
     adata = open_store(log1p, chunk_rows=chunk_rows)
     if counts:
@@ -93,6 +97,14 @@ def assemble(log1p, counts=None, hvg=None, embedding=None, markers=None, chunk_r
         uns.update(emb_uns or {})
         if varm:
             adata.varm.update(expand_varm(varm, emb_var.index, adata.var_names))
+    if clusters:
+        c_obs, c_uns = read_slots(clusters, "obs", "uns")
+        c_obs = _aligned(c_obs, adata.obs_names, "cell", clusters)
+        for c in c_obs.columns:
+            if c not in adata.obs:
+                adata.obs[c] = c_obs[c]
+        for key, value in (c_uns or {}).items():
+            uns.setdefault(key, value)
     if markers:
         m_obs, m_uns = read_slots(markers, "obs", "uns")
         m_obs = _aligned(m_obs, adata.obs_names, "cell", markers)

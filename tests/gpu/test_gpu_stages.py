@@ -132,7 +132,7 @@ def run_chain(store, backend: str) -> dict:
 
     def filt():
         a = state["a"]
-        cells, genes, _ = pp.qc_filter_masks(a.obs, a.var, thresholds=THRESHOLDS, min_cells=3)
+        cells, genes, _ = pp.qc_filter_masks(a, thresholds=THRESHOLDS, min_cells=3)
         a = pp.filter_cells_genes(a, cells, genes)
         state["a"] = state["counts"] = a
         return _snapshot(a)

@@ -1,4 +1,4 @@
-# Graph: neighbors -> leiden -> umap on obsm X_pca (in memory; X is linked, never read), louvain optional.
+# Graph: neighbors -> leiden and neighbors -> umap on obsm X_pca (in memory; X is linked, never read), louvain optional.
 
 
 PIPELINE.extend(["neighbors", "leiden", "umap"])
@@ -52,7 +52,7 @@ rule leiden:
 
 rule umap:
     input:
-        input=store("leiden"),
+        input=store("neighbors"),  # the graph, not the labels: a new resolution does not re-run umap
     output:
         output=directory(store("umap")),
         summary=summary_json("umap"),

@@ -61,9 +61,15 @@ def plot_file(name):
     return f"results/{{dataset}}/plots/{name}.png"
 
 
+def cluster_inputs():
+    """The clusters store (leiden labels), read beside the embedding: umap reads the graph, not the labels."""
+    return {"clusters_store": store("leiden")} if has_rule("leiden") else {}
+
+
 def plot_inputs(wildcards):
     """The stores the figures read, named as the plots stage's arguments."""
-    inputs = {"qc_store": store("qc"), "hvg_store": store("hvg"), "embedding_store": store(EMBEDDING_STAGE)}
+    inputs = {"qc_store": store("qc"), "hvg_store": store("hvg"), "embedding_store": store(EMBEDDING_STAGE),
+              **cluster_inputs()}
     if has_rule("rank_genes_groups"):
         inputs["markers_store"] = store("rank_genes_groups")
     return {k: v.format(dataset=wildcards.dataset) for k, v in inputs.items()}
@@ -77,7 +83,7 @@ def qc_thresholds(wildcards):
 def final_inputs(wildcards):
     """Stores the final stage assembles, named as its arguments."""
     inputs = {"input": store("log1p"), "counts": store("filter"), "hvg_store": store("hvg"),
-              "embedding_store": store(EMBEDDING_STAGE)}
+              "embedding_store": store(EMBEDDING_STAGE), **cluster_inputs()}
     if has_rule("rank_genes_groups"):
         inputs["markers_store"] = store("rank_genes_groups")
     return {k: v.format(dataset=wildcards.dataset) for k, v in inputs.items()}

@@ -1,11 +1,17 @@
-"""Cell and gene filtering from QC metrics already in obs/var (no pass over X to decide what to keep).
+"""Cell and gene filtering from the QC metrics in obs/var.
 
 Thresholds follow ``scanpy.pp.filter_cells`` / ``filter_genes``: ``min_*`` keep values >= the bound,
 ``max_*`` keep values <= the bound. ``max_pct_mt`` keeps cells with ``pct_counts_mt`` strictly below it,
-as the scanpy/Seurat tutorials do (``pct_counts_mt < 5``). ``min_cells`` uses ``n_cells_by_counts`` of the
-QC stage, i.e. counted over the cells that entered QC, as the scanpy tutorial filters genes before the
-mitochondrial cut. Optional MAD-based limits flag cells more than ``nmads`` median absolute deviations
-from the median (per sample when a ``sample`` column exists).
+as the scanpy/Seurat tutorials do (``pct_counts_mt < 5``). Optional MAD-based limits flag cells more than
+``nmads`` median absolute deviations from the median (per sample when a ``sample`` column exists).
+
+``min_cells`` counts, per gene, the cells it is detected in among the cells named by ``min_cells_over``:
+``"min_genes"`` (default) the cells kept by ``min_genes``/``min_counts``, the order of scanpy's tutorial
+(``filter_cells`` then ``filter_genes``, then the ``max_*``/mitochondrial cuts) and of Seurat's
+``CreateSeuratObject``; ``"kept"`` the cells kept by every cell filter; ``"qc"`` every cell of the QC store
+(QC's ``n_cells_by_counts`` as it is: the gene set then does not depend on the cell thresholds). The count
+is QC's ``n_cells_by_counts`` minus the cells left out, so X is read only when cells are left out, and only
+the row blocks that hold them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import dask.array as da
 import numpy as np
 import pandas as pd
 
+from atlasflow import kernels, progress
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.pp._utils import take_columns, take_rows
 
@@ -30,6 +37,10 @@ CELL_THRESHOLDS = {
     "max_counts": ("total_counts", np.less_equal),
     "max_pct_mt": ("pct_counts_mt", np.less),
 }
+#: The thresholds scanpy's ``filter_cells`` applies, before ``filter_genes`` in its tutorial.
+BEFORE_GENES = ("min_genes", "min_counts")
+#: Which cells ``min_cells`` counts over (see the module docstring).
+MIN_CELLS_OVER = ("min_genes", "kept", "qc")
 
 
 def _mad_outliers(values: np.ndarray, nmads: float) -> np.ndarray:
@@ -39,11 +50,11 @@ def _mad_outliers(values: np.ndarray, nmads: float) -> np.ndarray:
 
 
 def qc_filter_masks(
-    obs: pd.DataFrame,
-    var: pd.DataFrame,
+    adata: ad.AnnData,
     *,
     thresholds: Mapping[str, float | None] | None = None,
     min_cells: int | None = None,
+    min_cells_over: str = "min_genes",
     per_sample: pd.DataFrame | None = None,
     mad: Mapping | None = None,
     sample_key: str = "sample",
@@ -51,13 +62,44 @@ def qc_filter_masks(
     """Boolean masks of the cells and genes to keep, and a report of what each rule removed.
 
     ``per_sample`` (index: sample names, columns: threshold names) overrides the global thresholds
-    for the cells of each listed sample.
+    for the cells of each listed sample. ``min_cells_over`` says which cells ``min_cells`` counts over.
     """
+    if min_cells_over not in MIN_CELLS_OVER:
+        raise ConfigError(f"filter: min_cells_over must be one of {', '.join(MIN_CELLS_OVER)}, not {min_cells_over!r}")
+    obs, var = adata.obs, adata.var
+    keep, before_genes, report = cell_filter_masks(obs, thresholds=thresholds, per_sample=per_sample, mad=mad,
+                                                   sample_key=sample_key)
+    gene_keep = np.ones(len(var), dtype=bool)
+    if min_cells:
+        if "n_cells_by_counts" not in var:
+            raise InputError("filter: min_cells needs var['n_cells_by_counts']; run the qc stage first")
+        counted = {"min_genes": before_genes, "kept": keep, "qc": None}[min_cells_over]
+        n_cells = var["n_cells_by_counts"].to_numpy(dtype=np.int64)
+        if counted is not None and not counted.all():
+            n_cells = n_cells - cells_per_gene(adata.X, ~counted)
+        gene_keep = n_cells >= min_cells
+        report["min_cells"] = int((~gene_keep).sum())
+    if not gene_keep.any():
+        raise InputError(f"filter: min_cells={min_cells} removes all {len(var)} genes")
+    return keep, gene_keep, report
+
+
+def cell_filter_masks(
+    obs: pd.DataFrame,
+    *,
+    thresholds: Mapping[str, float | None] | None = None,
+    per_sample: pd.DataFrame | None = None,
+    mad: Mapping | None = None,
+    sample_key: str = "sample",
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The cells kept by every cell filter, the cells kept by ``BEFORE_GENES`` alone, and the cells each
+    rule removed (a rule's count is over all cells, so one cell can count under several rules)."""
     thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
     unknown = set(thresholds) - set(CELL_THRESHOLDS)
     if unknown:
         raise ConfigError(f"filter: unknown threshold(s) {sorted(unknown)}; known: {sorted(CELL_THRESHOLDS)}")
     keep = np.ones(len(obs), dtype=bool)
+    before_genes = np.ones(len(obs), dtype=bool)
     report: dict[str, int] = {}
     samples = obs[sample_key].astype(str).to_numpy() if sample_key in obs else None
     for name, (column, op) in CELL_THRESHOLDS.items():
@@ -74,6 +116,8 @@ def qc_filter_masks(
         fails = active & ~op(values, np.where(active, bound, 0))
         report[name] = int(fails.sum())
         keep &= ~fails
+        if name in BEFORE_GENES:
+            before_genes &= ~fails
     if mad and mad.get("enabled"):
         groups = samples if samples is not None else np.zeros(len(obs), dtype=int).astype(str)
         for column, nmads in dict(mad.get("metrics", {})).items():
@@ -86,18 +130,30 @@ def qc_filter_masks(
                 out[sel] = _mad_outliers(values[sel], float(nmads))
             report[f"mad_{column}"] = int(out.sum())
             keep &= ~out
-    gene_keep = np.ones(len(var), dtype=bool)
-    if min_cells:
-        if "n_cells_by_counts" not in var:
-            raise InputError("filter: min_cells needs var['n_cells_by_counts']; run the qc stage first")
-        gene_keep = var["n_cells_by_counts"].to_numpy() >= min_cells
-        report["min_cells"] = int((~gene_keep).sum())
     if not keep.any():
         active = {**thresholds, **({"mad": dict(mad)} if mad and mad.get("enabled") else {})}
         raise InputError(f"filter: the thresholds {active} remove all {len(obs)} cells")
-    if not gene_keep.any():
-        raise InputError(f"filter: min_cells={min_cells} removes all {len(var)} genes")
-    return keep, gene_keep, report
+    return keep, before_genes, report
+
+
+def cells_per_gene(x, rows: np.ndarray) -> np.ndarray:
+    """Per gene, how many of the rows where ``rows`` is true hold a non-zero value (int64).
+
+    A Dask matrix is read only in the row blocks that hold such rows.
+    """
+    rows = np.asarray(rows, dtype=bool)
+    m = x.shape[1]
+    if not rows.any():
+        return np.zeros(m, dtype=np.int64)
+    if not isinstance(x, da.Array):
+        return np.asarray(kernels.col_sums_and_nnz(x[np.flatnonzero(rows)])[m:]).astype(np.int64)
+    bounds = np.cumsum((0,) + x.chunks[0])
+    holding = [i for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])) if rows[s:e].any()]
+    picked = take_rows(x, rows)
+    picked = da.concatenate([picked.blocks[i] for i in holding]) if len(holding) > 1 else picked.blocks[holding[0]]
+    counts = progress.compute(kernels.over_blocks(picked, kernels.col_sums_and_nnz, 2 * m),
+                              label="filter: genes in the cells left out")[0]
+    return np.asarray(counts[m:]).astype(np.int64)
 
 
 def filter_cells_genes(adata: ad.AnnData, cell_mask: np.ndarray, gene_mask: np.ndarray) -> ad.AnnData:

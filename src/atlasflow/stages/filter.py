@@ -30,7 +30,11 @@ def add_arguments(p):
     for key, (kind, text) in THRESHOLDS.items():
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=kind.named(key), default=None, help=text)
     p.add_argument("--min-cells", dest="min_cells", type=non_negative_int.named("min_cells"), default=0,
-                   help="keep genes detected in >= this many cells")
+                   help="keep genes detected in >= this many cells (counted over the cells of --min-cells-over)")
+    p.add_argument("--min-cells-over", dest="min_cells_over", choices=pp.filter.MIN_CELLS_OVER, default="min_genes",
+                   help="the cells min_cells counts over: min_genes = those kept by min_genes/min_counts (scanpy's "
+                        "tutorial and Seurat: filter_cells, then filter_genes), kept = those kept by every cell "
+                        "filter, qc = every cell of the input (default: %(default)s)")
     p.add_argument("--per-sample", dest="per_sample", default=None,
                    help="TSV with a 'sample' column and threshold columns overriding the global ones per sample")
     p.add_argument("--mad", type=json_arg, default=None,
@@ -57,8 +61,11 @@ def run(args, client) -> dict:
     require(adata, args.input, "filter",
             obs=sorted({pp.filter.CELL_THRESHOLDS[k][0] for k, v in thresholds.items() if v is not None}),
             var=["n_cells_by_counts"] if min_cells else [])
+    if args.min_cells_over not in pp.filter.MIN_CELLS_OVER:  # a Snakemake param arrives unparsed
+        raise InputError(f"filter: min_cells_over must be one of {', '.join(pp.filter.MIN_CELLS_OVER)}, "
+                         f"not {args.min_cells_over!r}")
     cells, genes, report = pp.qc_filter_masks(
-        adata.obs, adata.var, thresholds=thresholds, min_cells=min_cells,
+        adata, thresholds=thresholds, min_cells=min_cells, min_cells_over=args.min_cells_over,
         per_sample=_per_sample_table(args.per_sample), mad=args.mad,
     )
     for rule, n in report.items():
@@ -68,5 +75,5 @@ def run(args, client) -> dict:
     del adata  # the unfiltered obs (~200 MiB at 1M cells) is not needed while writing
     row_nnz = stored_row_nnz(args.input)[cells] if genes.all() else None
     write_store(out, args.output, chunk_rows=args.chunk_rows, row_nnz={"X": row_nnz}, provenance={"stage": "filter"})
-    return {**shapes, "removed_by": report,
+    return {**shapes, "removed_by": report, "min_cells_over": args.min_cells_over,
             "thresholds": {k: v for k, v in thresholds.items() if v is not None}}

@@ -1,7 +1,7 @@
 """final stage: one AnnData store with everything a user opens (see atlasflow.final); nothing is copied.
 
 X (log1p store) and layer ``counts`` (filter store's X) are hard-linked; obs/var/obsm/obsp/varm/uns come
-from the hvg, embedding (e.g. umap) and markers (rank_genes_groups) stores. Optionally also an .h5ad
+from the hvg, embedding (e.g. umap), clusters (leiden) and markers (rank_genes_groups) stores. Optionally also an .h5ad
 export, written block by block, skipped with a log line when larger than ``--h5ad-max-gb``.
 """
 
@@ -28,7 +28,9 @@ def add_arguments(p):
     p.add_argument("--counts", default=None, help="store whose X becomes layer counts (the filter store)")
     p.add_argument("--hvg-store", dest="hvg_store", default=None, help="store whose var is used (the hvg store)")
     p.add_argument("--embedding-store", dest="embedding_store", default=None,
-                   help="store with obs clusters, obsm, obsp, uns, varm (e.g. the umap store)")
+                   help="store with obsm, obsp, uns, varm (e.g. the umap store)")
+    p.add_argument("--clusters-store", dest="clusters_store", default=None,
+                   help="store whose obs columns (cluster labels) and uns entries are added (e.g. the leiden store)")
     p.add_argument("--markers-store", dest="markers_store", default=None,
                    help="store with uns rank_genes_groups (the rank_genes_groups store)")
     p.add_argument("--h5ad", default=None, help="also export to this .h5ad file (none: no export)")
@@ -39,7 +41,7 @@ def add_arguments(p):
 def run(args, client) -> dict:
     paths = {k: (os.path.abspath(v) if v else None)
              for k, v in (("hvg", args.hvg_store), ("embedding", args.embedding_store),
-                          ("markers", args.markers_store))}
+                          ("clusters", args.clusters_store), ("markers", args.markers_store))}
     adata = final.assemble(args.input, counts=args.counts, chunk_rows=args.chunk_rows, **paths)
     write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "final"})
     summary = {

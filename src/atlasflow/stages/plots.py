@@ -6,7 +6,8 @@ Each figure needs some stores; a figure asked for with ``--plots`` whose store i
 * ``--qc-store``: qc_violin (QC metrics per sample, filter thresholds drawn), highest_expr_genes (var mean_counts)
 * ``--hvg-store``: hvg (mean vs dispersion)
 * ``--pca-store`` or ``--embedding-store``: pca_variance_ratio (uns pca), pca (obsm X_pca)
-* ``--embedding-store``: umap (obsm X_umap), cluster_sizes (obs cluster key by sample)
+* ``--embedding-store``: umap (obsm X_umap), cluster_sizes (obs cluster key by sample); the cluster labels
+  come from ``--clusters-store`` (e.g. the leiden store) when given, else from the embedding store's obs
 * ``--markers-store``: marker_dotplot, marker_heatmap of the top genes per group of uns rank_genes_groups;
   the per-group mean and fraction expressing come from ``--aggregate-store`` (layers mean and
   count_nonzero, grouped by the cluster key alone) when given, else from one pass over the marker
@@ -41,8 +42,8 @@ NEEDS = {
     "umap": ("embedding_store",), "cluster_sizes": ("embedding_store",),
     "marker_dotplot": ("markers_store",), "marker_heatmap": ("markers_store",),
 }
-STORE_ARGS = ("qc_store", "hvg_store", "pca_store", "embedding_store", "markers_store", "expression_store",
-              "aggregate_store")
+STORE_ARGS = ("qc_store", "hvg_store", "pca_store", "embedding_store", "clusters_store", "markers_store",
+              "expression_store", "aggregate_store")
 log = logging.getLogger(__name__)
 #: The output is a folder of PNGs (each checked as atlasflow's own before it is replaced), not a store.
 OUTPUT_KIND = "folder"
@@ -53,7 +54,10 @@ def add_arguments(p):
     p.add_argument("--hvg-store", dest="hvg_store", default=None, help="hvg store (var means/dispersions)")
     p.add_argument("--pca-store", dest="pca_store", default=None, help="pca store (obsm X_pca, uns pca)")
     p.add_argument("--embedding-store", dest="embedding_store", default=None,
-                   help="store with obsm X_pca/X_umap and the clusters in obs (e.g. the umap store)")
+                   help="store with obsm X_pca/X_umap (e.g. the umap store)")
+    p.add_argument("--clusters-store", dest="clusters_store", default=None,
+                   help="store whose obs columns (the clusters) and uns colours are added to the embedding's "
+                        "(e.g. the leiden store)")
     p.add_argument("--markers-store", dest="markers_store", default=None,
                    help="rank_genes_groups store (uns rank_genes_groups)")
     p.add_argument("--expression-store", dest="expression_store", default=None,
@@ -120,20 +124,36 @@ def _draw(name, args):
         src = args.embedding_store if name == "umap" else (args.embedding_store or args.pca_store)
         key = f"X_{name}"
         obs, xy, uns = pl.read_slots(src, "obs", f"obsm/{key}", "uns")
+        obs, uns = _with_clusters(obs, uns, args)
         if xy is None:
             raise InputError(f"{src} has no obsm[{key!r}]")
         keys = args.color_by or [args.cluster_key, args.sample_key, *pl.QC_METRICS]
         return pl.embedding(name, np.asarray(xy), obs, keys, uns or {}, basis=name.upper(), dpi=dpi,
                             max_points=args.max_points)
     if name == "cluster_sizes":
-        obs, uns = pl.read_slots(args.embedding_store, "obs", "uns")
+        obs, uns = _with_clusters(*pl.read_slots(args.embedding_store, "obs", "uns"), args)
         if args.cluster_key not in obs:
-            raise InputError(f"{args.embedding_store} has no obs[{args.cluster_key!r}]")
+            raise InputError(f"{args.clusters_store or args.embedding_store} has no obs[{args.cluster_key!r}]")
         return pl.cluster_sizes(obs, args.cluster_key, args.sample_key, uns=uns or {}, dpi=dpi)
     mean, frac, label = marker_means(args)
     if name == "marker_dotplot":
         return pl.marker_dotplot(mean, frac, dpi=dpi, value_label=label)
     return pl.marker_heatmap(mean, dpi=dpi, value_label=label)
+
+
+def _with_clusters(obs: pd.DataFrame, uns, args):
+    """The embedding store's obs and uns plus the clusters store's columns and entries they lack."""
+    uns = dict(uns or {})
+    if not args.clusters_store:
+        return obs, uns
+    c_obs, c_uns = pl.read_slots(args.clusters_store, "obs", "uns")
+    if not c_obs.index.equals(obs.index):
+        raise InputError(f"{args.clusters_store} does not have the cells of {args.embedding_store}")
+    extra = [c for c in c_obs.columns if c not in obs.columns]
+    obs = pd.concat([obs, c_obs[extra]], axis=1) if extra else obs
+    for key, value in (c_uns or {}).items():
+        uns.setdefault(key, value)
+    return obs, uns
 
 
 _MEANS_CACHE: dict = {}

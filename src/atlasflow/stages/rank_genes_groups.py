@@ -9,7 +9,6 @@ of markers next to it (``--markers-csv``, default: the output path with ``.csv``
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
 import anndata as ad
@@ -142,10 +141,8 @@ def run(args, client) -> dict:
     csv = _csv_path(args)
     tmp = write_csv_atomic(table, csv)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification.*")
-            write_store(adata, args.output, chunk_rows=args.chunk_rows,
-                        provenance={"stage": "rank_genes_groups", "method": res.params["method"]})
+        write_store(adata, args.output, chunk_rows=args.chunk_rows,
+                    provenance={"stage": "rank_genes_groups", "method": res.params["method"]})
         ownership.replace_file(tmp, csv)
     finally:
         tmp.unlink(missing_ok=True)
