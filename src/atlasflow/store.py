@@ -49,7 +49,7 @@ warnings.filterwarnings("ignore", message="Consolidated metadata is currently no
 # uns entries that anndata writes as NumPy structured arrays (rank_genes_groups' names/scores/pvals, one
 # field per group) or fixed-length strings have no Zarr v3 data-type specification yet: zarr-python warns on
 # every such array. They are what scanpy reads back (sc.get.rank_genes_groups_df, sc.pl.rank_genes_groups),
-# anndata reads them on both stacks, and our tests read them back; see config/README.md ("Stored form").
+# anndata reads them on both stacks, and our tests read them back; see config/README.md, "Stored form".
 warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification.*")
 # Zarr format 3 everywhere (anndata's coming default); anndata >= 0.11 and scanpy read it.
 ad.settings.zarr_write_format = 3
