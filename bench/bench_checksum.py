@@ -31,7 +31,7 @@ def set_checksum(on: bool) -> None:
 
     from atlasflow import store
 
-    zarr.core.array.default_compressors_v3 = (store._checksummed_zstd if on else
+    zarr.core.array.default_compressors_v3 = (store.format._checksummed_zstd if on else
                                               (lambda dtype=None: (zarr.codecs.ZstdCodec(level=0, checksum=False),)))
 
 

@@ -56,7 +56,7 @@ def test_aggregate_equals_scanpy_for_chunk_sizes(counts, tmp_path, monkeypatch):
     with dask.config.set(scheduler="synchronous"):
         for rows in (500, 1000, 2638):
             # the whole matrix in one block is also walked in small row pieces inside the kernel
-            monkeypatch.setattr(kernels, "MOMENT_PIECE_NNZ", 100_000 if rows == 2638 else 1 << 22)
+            monkeypatch.setattr(kernels.groups, "MOMENT_PIECE_NNZ", 100_000 if rows == 2638 else 1 << 22)
             b = open_store(write_counts(counts, tmp_path / f"c{rows}.zarr", rows))
             for by in ("cell_type", ["sample", "cell_type"]):
                 assert_equal_to_scanpy(refs[str(by)], tl.aggregate(b, by, FUNCS))

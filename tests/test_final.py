@@ -117,7 +117,7 @@ def test_h5ad_index_arrays_widen_together_past_int32(tmp_path, monkeypatch):
 
     from atlasflow import final, store
 
-    monkeypatch.setattr(store, "INT32_MAX", 10)
+    monkeypatch.setattr(store.format, "INT32_MAX", 10)
     x = sp.random(30, 8, density=0.4, format="csr", random_state=0, dtype=np.float32)
     a = ad.AnnData(X=da.from_array(x, chunks=(10, 8), asarray=False))
     final.write_h5ad(a, tmp_path / "wide.h5ad")

@@ -15,7 +15,7 @@ import pytest
 import scipy.sparse as sp
 
 from atlasflow import gpu, gpu_cluster
-from atlasflow.cluster import validate_backend
+from atlasflow.gpu import validate_backend
 from atlasflow.errors import AtlasflowError, ConfigError
 
 
@@ -183,7 +183,7 @@ def test_to_backend_cpu_and_auto_leave_x_alone(no_cupy):
     import anndata as ad
     import dask.array as da
 
-    from atlasflow.backend import to_backend
+    from atlasflow.gpu import to_backend
 
     x = da.from_array(sp.random(20, 5, density=0.3, format="csr", random_state=0), chunks=(10, 5), asarray=False)
     a = ad.AnnData(X=x)
@@ -195,7 +195,7 @@ def test_gpu_backend_without_cupy_says_how_to_install(no_cupy):
     import anndata as ad
     import dask.array as da
 
-    from atlasflow.backend import to_backend
+    from atlasflow.gpu import to_backend
 
     x = da.from_array(sp.random(20, 5, density=0.3, format="csr", random_state=0), chunks=(10, 5), asarray=False)
     with pytest.raises(gpu.GpuUnavailableError, match=r"gpu-cuda12 or gpu-cuda13 extra") as err:

@@ -19,8 +19,9 @@ _STAGE_LIKE_CALLS = textwrap.dedent("""
     y = x.copy(); y.data = np.log1p(y.data)
     kernels.scaled_gram_and_sums(y, np.full(300, 0.3), np.full(300, 0.7), True, 10.0, np.float32)
     kernels.gene_block_ranks(y.T.tocsr(), np.arange(3000) % 4, 4, np.full(4, 750.0), [0, 1, 2, 3], None)
-    for f in (kernels._top_n_kernel(), kernels._scaled_entries_kernel(), kernels._sparse_gram_upper(),
-              *kernels._rest_ranks_kernels()):
+    for f in (kernels.stats._top_n_kernel(), kernels.scaling._scaled_entries_kernel(),
+              kernels.scaling._sparse_gram_upper(),
+              *kernels.ranks._rest_ranks_kernels()):
         print(f.__name__, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))
 """)
 

@@ -179,8 +179,8 @@ def test_results_independent_of_chunk_size(stores, labelled, tmp_path):
 
 def test_ttest_reads_x_once(stores, monkeypatch):
     reads = []
-    orig = store._read_csr_block
-    monkeypatch.setattr(store, "_read_csr_block", lambda *a, **k: (reads.append(a[0]), orig(*a, **k))[1])
+    orig = store.read._read_csr_block
+    monkeypatch.setattr(store.read, "_read_csr_block", lambda *a, **k: (reads.append(a[0]), orig(*a, **k))[1])
     with dask.config.set(scheduler="synchronous"):
         b = ours(stores)
         n_blocks = b.X.numblocks[0]
@@ -262,7 +262,7 @@ def test_gene_ranks_numba_path_equals_the_vectorised_one(dtype):
     sizes = np.bincount(codes, minlength=n_codes).astype(float)
     tested = [0, 1, 2, 3]
     got = kernels.gene_block_ranks(block, codes, n_codes, sizes, tested, None)
-    want = kernels._gene_block_ranks_sorted(block, codes, n_codes, sizes, tested, None)
+    want = kernels.ranks._gene_block_ranks_sorted(block, codes, n_codes, sizes, tested, None)
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(got).all()
 

@@ -26,24 +26,24 @@ TUTORIAL = ["--min-genes", "200", "--max-genes", "2500", "--max-pct-mt", "5", "-
 class ReadCounter:
     """Counts row-block reads of lazily opened CSR stores (one per block per pass over X).
 
-    Wraps ``store._read_csr_block`` (the function each read task calls), so graph optimisations such as
+    Wraps ``store.read._read_csr_block`` (the function each read task calls), so graph optimisations such as
     task fusion cannot hide a read. Open stores inside the ``with`` block.
     """
 
     def __init__(self):
         self.reads = 0
-        self._orig = store._read_csr_block
+        self._orig = store.read._read_csr_block
 
     def __enter__(self):
         def counted(*args, **kwargs):
             self.reads += 1
             return self._orig(*args, **kwargs)
 
-        store._read_csr_block = counted
+        store.read._read_csr_block = counted
         return self
 
     def __exit__(self, *exc):
-        store._read_csr_block = self._orig
+        store.read._read_csr_block = self._orig
 
     def passes(self, n_blocks: int) -> float:
         return self.reads / n_blocks
@@ -167,8 +167,8 @@ def test_values_only_write_equals_block_write(tmp_path, monkeypatch):
     empty[[5, 6, 150]] = 0
     x = sp.csr_matrix(sp.diags(empty) @ x)
     x.eliminate_zeros()
-    monkeypatch.setattr(store, "FLAT_CHUNK", 97)
-    monkeypatch.setattr(store, "MAPPED_CHUNKS_PER_TASK", 2)
+    monkeypatch.setattr(store.write, "FLAT_CHUNK", 97)
+    monkeypatch.setattr(store.write, "MAPPED_CHUNKS_PER_TASK", 2)
     store.write_store(ad.AnnData(X=da.from_array(x, chunks=(64, 40), asarray=False)), tmp_path / "raw.zarr")
     with dask.config.set(scheduler="synchronous"):
         a = open_store(tmp_path / "raw.zarr", chunk_rows=64)
@@ -199,7 +199,7 @@ def test_qc_kernels_with_explicit_zeros_ties_and_short_rows():
     x.data = np.floor(x.data * 6)  # small counts: many ties, and explicit zeros
     ns = [1, 50, 100, 200, 500]
     fast = kernels.top_n_fractions(x, ns)
-    ref = kernels._top_n_rows(x.data, x.indptr.astype(np.int64), ns, np)
+    ref = kernels.stats._top_n_rows(x.data, x.indptr.astype(np.int64), ns, np)
     np.testing.assert_allclose(fast, ref, rtol=1e-12)
     stored = np.diff(x.indptr)
     assert np.isnan(fast[7]).all() and (stored > 500).any() and ((stored < 500) & (stored > 0)).any()

@@ -323,7 +323,7 @@ def test_scaled_entries_loop_gives_the_bits_of_the_numpy_scaling(dtype, zero_cen
     x = sp.random(300, 40, density=0.2, random_state=6, format="csr", dtype=np.float64)
     x.data = rng.gamma(2, 1, x.nnz) * 3
     mean, std = rng.random(40) * 2, rng.random(40) * 0.5 + 0.01
-    y, z0 = kernels._scaled_sparse(x, mean, std, zero_center, max_value, dtype)
+    y, z0 = kernels.scaling._scaled_sparse(x, mean, std, zero_center, max_value, dtype)
     ref = kernels.scaled_values(x.data.astype(dtype), mean[x.indices], std[x.indices], zero_center, max_value,
                                 dtype).astype(np.float64) - z0[x.indices]
     np.testing.assert_array_equal(y.data, ref)
@@ -341,8 +341,8 @@ def test_lanes_sum_the_blocks_in_a_fixed_order(monkeypatch, client):
     x = sp.random(1000, 30, density=0.2, random_state=8, format="csr", dtype=np.float32)
     x.data = rng.gamma(2, 1, x.nnz).astype(np.float32)
     dx = da.from_array(x, chunks=(50, 30), asarray=False)  # 20 blocks
-    monkeypatch.setattr(kernels, "LANE_BLOCKS", 3)
-    monkeypatch.setattr(kernels, "MAX_LANES", 4)  # 20 blocks in 4 lanes of 5
+    monkeypatch.setattr(kernels.reduce, "LANE_BLOCKS", 3)
+    monkeypatch.setattr(kernels.reduce, "MAX_LANES", 4)  # 20 blocks in 4 lanes of 5
     lanes = kernels.accumulate_blocks(dx, kernels.gram_and_sums, 30 * 30 + 30)
     n_steps = sum(1 for k in lanes.__dask_graph__() if "lane_step" in str(k))
     assert n_steps == 20

@@ -129,7 +129,7 @@ def test_stored_csr_index_arrays_share_one_dtype(source, tmp_path, monkeypatch, 
     from atlasflow.pp._utils import take_columns
 
     if int32_max is not None:  # a matrix past 2**31 - 1 non-zeros, in miniature
-        monkeypatch.setattr(store, "INT32_MAX", int32_max)
+        monkeypatch.setattr(store.format, "INT32_MAX", int32_max)
     want = np.int32 if int32_max is None else np.int64
     x = ad.read_zarr(source).X
     cols = np.array([0, 3, 5, 6])

@@ -41,23 +41,7 @@ def to_host(x):
     return x
 
 
-def to_backend(adata, backend: str):
-    """Put a lazily opened AnnData's X and layers on the backend's device, in place; returns ``adata``.
-
-    ``backend`` is ``cpu`` (nothing changes), ``gpu`` (row blocks become CuPy / cupyx CSR, see
-    :func:`atlasflow.gpu.to_device`) or ``auto``. Stages call it right after ``open_store``; kernels then run
-    unchanged and writes bring blocks back to host memory.
-    """
-    if backend == "auto":
-        from atlasflow.cluster import validate_backend
-
-        backend = validate_backend(backend)
-    if backend != "gpu":
-        return adata
-    from atlasflow.gpu import to_device
-
-    if adata.X is not None:
-        adata.X = to_device(adata.X)
-    for key in list(adata.layers.keys()):
-        adata.layers[key] = to_device(adata.layers[key])
-    return adata
+def is_sparse_meta(x) -> bool:
+    """Whether a Dask array's blocks are sparse (SciPy or cupyx), from its meta: nothing is computed."""
+    meta = x._meta
+    return sp.issparse(meta) or type(meta).__module__.startswith("cupyx.scipy.sparse")

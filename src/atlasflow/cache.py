@@ -29,7 +29,7 @@ def kept(x: da.Array, label: str):
     """Yield ``x`` persisted on the workers if it is small enough (logged), else ``x``; released on exit."""
     from atlasflow import progress
 
-    client = progress._client_or_none()
+    client = progress.client_or_none()
     size = matrix_bytes(x)
     budget = None if client is None or size is None else SHARE * workers_memory(client)
     if budget is None or size > budget:
@@ -50,12 +50,13 @@ def matrix_bytes(x: da.Array) -> int | None:
     """The in-memory size of a host matrix read unchanged from a store (CSR or dense), else None."""
     import zarr
 
-    from atlasflow.store import _is_sparse_meta, source_of
+    from atlasflow.backend import is_sparse_meta
+    from atlasflow.sources import source_of
 
     src = source_of(x)
     if src is None or type(x._meta).__module__.split(".")[0] not in ("numpy", "scipy"):
         return None
-    if not _is_sparse_meta(x):
+    if not is_sparse_meta(x):
         return int(x.nbytes)
     path, key = src
     data = zarr.open_group(path, mode="r")[key]["data"]

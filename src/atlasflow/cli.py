@@ -267,7 +267,8 @@ def _absolute_paths(args) -> None:
 
 
 def _run_with_cluster(stage: ModuleType, args) -> dict:
-    from atlasflow.cluster import connect, validate_backend
+    from atlasflow.cluster import connect
+    from atlasflow.gpu import validate_backend
 
     backend = validate_backend(args.backend)
     args.backend = backend
@@ -279,9 +280,9 @@ def _run_with_cluster(stage: ModuleType, args) -> dict:
         scheduler_file=args.scheduler_file, address=args.address, n_workers=args.n_workers,
         memory_limit=args.memory_limit, backend=backend, gpu_preset=args.gpu_preset,
     ) as client:
-        from atlasflow import store
+        from atlasflow.store import read
 
-        store.DEFAULT_BACKEND = backend  # every store the stage opens lands on this backend
+        read.DEFAULT_BACKEND = backend  # every store the stage opens lands on this backend
         log.info("Dask dashboard: %s", client.dashboard_link)
         with _gpu_errors(args):
             result = stage.run(args, client)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from atlasflow.allocation import allocation_cores, allocation_memory
 from atlasflow.errors import ClusterError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -28,26 +29,6 @@ CONNECT_TIMEOUT = os.environ.get("ATLASFLOW_CONNECT_TIMEOUT", "10s")
 #: otherwise inherit: cores oversubscribed, and BLAS results whose last bits depend on the allocation.
 WORKER_ENV = {var: "1" for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                                    "GOTO_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")}
-
-
-def allocation_cores() -> int:
-    """Cores this job may use: SLURM's allocation when under SLURM, else the process's CPU affinity."""
-    for var in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
-        if os.environ.get(var, "").isdigit():
-            return max(1, int(os.environ[var]))
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def allocation_memory() -> int | None:
-    """Bytes of memory SLURM granted this job, if known (SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU in MB)."""
-    if os.environ.get("SLURM_MEM_PER_NODE", "").isdigit():
-        return int(os.environ["SLURM_MEM_PER_NODE"]) * 2**20
-    if os.environ.get("SLURM_MEM_PER_CPU", "").isdigit():
-        return int(os.environ["SLURM_MEM_PER_CPU"]) * 2**20 * allocation_cores()
-    return None
 
 
 def connect_timeout() -> float:
@@ -202,17 +183,3 @@ def connect(
     finally:
         client.close()
         cluster.close()
-
-
-def validate_backend(backend: str) -> str:
-    """Resolve ``auto`` to ``gpu`` when CuPy sees a device, else ``cpu``."""
-    if backend not in ("auto", "cpu", "gpu"):
-        raise ConfigError(f"backend: {backend!r} is not one of auto, cpu, gpu")
-    if backend == "auto":
-        try:
-            import cupy
-
-            return "gpu" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
-        except Exception:  # noqa: BLE001 - no CuPy or no driver: CPU
-            return "cpu"
-    return backend

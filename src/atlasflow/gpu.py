@@ -22,7 +22,9 @@ import dask.array as da
 import numpy as np
 import scipy.sparse as sp
 
-from atlasflow.backend import is_gpu
+from atlasflow import sources
+from atlasflow.backend import is_gpu, is_sparse_meta
+from atlasflow.sources import source_of
 from atlasflow.errors import AtlasflowError, ConfigError, InputError
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ class GpuMemoryError(AtlasflowError):
 # ------------------------------------------------------------------------------------------ availability
 
 
-def _cupy():
+def import_cupy():
     """Import CuPy or fail with one line saying how to install it."""
     try:
         import cupy
@@ -138,8 +140,6 @@ def check_block_nnz(indptr: np.ndarray, row_chunks, *, what: str = "X", limit: i
 
 def _stored_indptr(x: da.Array) -> np.ndarray | None:
     """The indptr of the CSR element a lazy array was read from unchanged (None if computed or dense)."""
-    from atlasflow.store import source_of
-
     src = source_of(x)
     if src is None:
         return None
@@ -157,16 +157,11 @@ def _stored_indptr(x: da.Array) -> np.ndarray | None:
 # ------------------------------------------------------------------------------------ moving row blocks
 
 
-def _sparse_meta(x: da.Array) -> bool:
-    meta = x._meta
-    return sp.issparse(meta) or type(meta).__module__.startswith("cupyx.scipy.sparse")
-
-
 def block_to_device(block):
     """One block on the GPU: SciPy sparse -> cupyx CSR (int32 indices), NumPy -> CuPy; GPU blocks as they are."""
     if is_gpu(block):
         return block
-    cupy = _cupy()
+    cupy = import_cupy()
     if sp.issparse(block):
         import cupyx.scipy.sparse as csp
 
@@ -186,8 +181,8 @@ def block_to_device(block):
 
 def device_meta(x: da.Array):
     """A zero-size CuPy / cupyx CSR meta matching ``x``'s kind and dtype."""
-    cupy = _cupy()
-    if _sparse_meta(x):
+    cupy = import_cupy()
+    if is_sparse_meta(x):
         import cupyx.scipy.sparse as csp
 
         return csp.csr_matrix(sp.csr_matrix((0, 0), dtype=x.dtype))
@@ -205,20 +200,16 @@ def to_device(x: da.Array, *, indptr: np.ndarray | None = None) -> da.Array:
         raise InputError(f"to_device needs a lazy (Dask) matrix, got {type(x).__name__}; open stores with open_store")
     if is_gpu(x._meta):
         return x
-    _cupy()
+    import_cupy()
     if device_count() == 0:
         raise GpuUnavailableError("backend gpu: CuPy sees no CUDA device (check the driver / CUDA_VISIBLE_DEVICES)")
-    if _sparse_meta(x):
+    if is_sparse_meta(x):
         if indptr is None:
             indptr = _stored_indptr(x)
         if indptr is not None:
             check_block_nnz(indptr, x.chunks[0])
     y = x.map_blocks(block_to_device, dtype=x.dtype, meta=device_meta(x), name=f"to-gpu-{x.name}")
-    from atlasflow import store
-
-    src = store.source_of(x)
-    if src is not None:
-        store._SOURCES[y.name] = src
+    sources.inherit(y, x)  # the same stored values: still linkable
     return y
 
 
@@ -229,7 +220,7 @@ def to_host(x: da.Array) -> da.Array:
     """
     from atlasflow.backend import to_host as block_to_host
 
-    meta = sp.csr_matrix((0, 0), dtype=x.dtype) if _sparse_meta(x) else np.empty((0,) * x.ndim, dtype=x.dtype)
+    meta = sp.csr_matrix((0, 0), dtype=x.dtype) if is_sparse_meta(x) else np.empty((0,) * x.ndim, dtype=x.dtype)
     return x.map_blocks(block_to_host, dtype=x.dtype, meta=meta, name=f"to-host-{x.name}")
 
 
@@ -295,7 +286,7 @@ def knn_gpu(x, k: int, metric: str = "euclidean", *, block_bytes: int | None = N
     index; a point is its own first neighbour (distance ~0), as sklearn's ``kneighbors(x)`` on the
     fitted ``x``. Distances are sklearn's for ``metric`` (euclidean, sqeuclidean, cosine).
     """
-    cupy = _cupy()
+    cupy = import_cupy()
     xd = cupy.asarray(x, dtype=cupy.float64)
     if block_bytes is None:
         free, _ = cupy.cuda.runtime.memGetInfo()
@@ -341,7 +332,7 @@ def knn_blocked(x, k: int, metric: str = "euclidean", *, block_bytes: int = 2**2
             d = xp.maximum(sq[start:stop, None] + sq[None, :] - 2.0 * d, 0.0)
         ind[start:stop] = _select_k(d, k, probe_cols, xp)
         dist[start:stop] = _exact_distances(q, x, ind[start:stop], metric, xp)
-    order = _lexsort_rows(dist, ind, xp)
+    order = lexsort_rows(dist, ind, xp)
     ind = xp.take_along_axis(ind, order, axis=1)
     dist = xp.take_along_axis(dist, order, axis=1)
     return ind, dist
@@ -351,7 +342,7 @@ def _select_k(d, k: int, probe_cols, xp):
     """Column indices of the k smallest entries of each row of ``d`` (ties: smaller index first)."""
     b, n = d.shape
     if n <= max(2048, 4 * k):
-        order = _lexsort_rows(d, xp.broadcast_to(xp.arange(n), d.shape), xp)
+        order = lexsort_rows(d, xp.broadcast_to(xp.arange(n), d.shape), xp)
         return order[:, :k]
     thr = xp.sort(d[:, probe_cols], axis=1)[:, k - 1]
     rows, cols = xp.nonzero(d <= thr[:, None])
@@ -377,9 +368,44 @@ def _exact_distances(q, x, idx, metric: str, xp):
     return d2 if metric == "sqeuclidean" else xp.sqrt(d2)
 
 
-def _lexsort_rows(values, index, xp):
+def lexsort_rows(values, index, xp):
     """Per-row argsort of ``values``, ties broken by ``index`` (2-D, same shape)."""
     b, m = values.shape
     rows = xp.repeat(xp.arange(b, dtype=xp.float64), m)
     order = xp.lexsort(xp.stack([xp.asarray(index, dtype=xp.float64).ravel(), values.ravel(), rows]))
     return (order.reshape(b, m) - (xp.arange(b) * m)[:, None]).astype(xp.int64)
+
+
+# ------------------------------------------------------------------------------------ choosing a backend
+
+
+def validate_backend(backend: str) -> str:
+    """Resolve ``auto`` to ``gpu`` when CuPy sees a device, else ``cpu``."""
+    if backend not in ("auto", "cpu", "gpu"):
+        raise ConfigError(f"backend: {backend!r} is not one of auto, cpu, gpu")
+    if backend == "auto":
+        try:
+            import cupy
+
+            return "gpu" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+        except Exception:  # noqa: BLE001 - no CuPy or no driver: CPU
+            return "cpu"
+    return backend
+
+
+def to_backend(adata, backend: str):
+    """Put a lazily opened AnnData's X and layers on the backend's device, in place; returns ``adata``.
+
+    ``backend`` is ``cpu`` (nothing changes), ``gpu`` (row blocks become CuPy / cupyx CSR, see
+    :func:`to_device`) or ``auto``. Stages call it right after ``open_store``; kernels then run
+    unchanged and writes bring blocks back to host memory.
+    """
+    if backend == "auto":
+        backend = validate_backend(backend)
+    if backend != "gpu":
+        return adata
+    if adata.X is not None:
+        adata.X = to_device(adata.X)
+    for key in list(adata.layers.keys()):
+        adata.layers[key] = to_device(adata.layers[key])
+    return adata

@@ -116,7 +116,7 @@ def worker_memory_limit(memory_limit, n_workers: int):
     """Host memory per worker: ``auto``/None = the job's memory (SLURM allocation, else the machine) / workers."""
     if memory_limit not in (None, "auto"):
         return memory_limit
-    from atlasflow.cluster import allocation_memory
+    from atlasflow.allocation import allocation_memory
 
     total = allocation_memory()
     if total is None:

@@ -1,6 +1,6 @@
 """Compile the package's numba kernels once, in a short-lived process, before a shared cluster's workers start.
 
-With a cold on-disk cache (a fresh install, or a changed ``kernels.py``) numba compiles a kernel in every
+With a cold on-disk cache (a fresh install, or a changed kernel module) numba compiles a kernel in every
 process that first calls it, and the compiler's memory stays with that process: after qc on a cold cache
 each worker held ~220 MiB more than on a warm one (482 against 261 MiB, 20k cells, measured). A shared
 cluster's workers live for the whole workflow, so that memory counted in every later stage's peak.

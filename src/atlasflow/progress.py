@@ -16,7 +16,7 @@ INTERVAL = "500ms"
 FEED_SETUP_TIMEOUT = 10
 
 
-def _client_or_none():
+def client_or_none():
     # an explicitly chosen local scheduler (dask.config.set(scheduler="sync"), ...) wins over a default client
     if dask.config.get("scheduler", None) not in (None, "dask.distributed", "distributed"):
         return None
@@ -35,7 +35,7 @@ def compute(*collections, label: str = "computing"):
     loop: waiting for it (what distributed's progress bars do) would add up to one report interval to every
     computation, ~0.5 s per pass over X.
     """
-    client = _client_or_none()
+    client = client_or_none()
     if client is None:
         return dask.compute(*collections)
     futures = client.compute(list(collections))

@@ -188,7 +188,8 @@ def start(scheduler_file: str | os.PathLike, *, n_workers: int | None = None, me
     memory limit is checked before anything starts; what a failed start launched is stopped again.
     Returns {"scheduler": pid, "workers": [pid, ...], "watchdog": pid or None, "owner": pid or None}.
     """
-    from atlasflow.cluster import WORKER_ENV, allocation_cores, check_memory_limit
+    from atlasflow.allocation import allocation_cores
+    from atlasflow.cluster import WORKER_ENV, check_memory_limit
     from atlasflow.errors import ClusterError
 
     check_memory_limit(memory_limit, "--memory-limit (dask.memory_limit)")

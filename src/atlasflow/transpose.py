@@ -35,7 +35,8 @@ import zarr
 
 from atlasflow.backend import issparse, to_host
 from atlasflow.errors import InputError
-from atlasflow.store import META_KEY, open_store, row_bounds, save_npy, source_of, write_store
+from atlasflow.sources import source_of
+from atlasflow.store import META_KEY, open_store, row_bounds, save_npy, write_store
 
 log = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ KERNEL_OF = {"t-test": "group_moments", "t-test_overestim_var": "group_moments",
 def test_rank_genes_groups_on_the_gpu(lognorm_store, threads, monkeypatch, tmp_path, method):
     kw = {"max_iter": 60} if method == "logreg" else {}
     ref = tl.compute_markers(open_on(lognorm_store, "cpu"), "cell_type", method=method, work_dir=tmp_path, **kw)
-    monkeypatch.setattr(store, "DEFAULT_BACKEND", "gpu")  # the Wilcoxon gene-major copy is read on the GPU too
+    monkeypatch.setattr(store.read, "DEFAULT_BACKEND", "gpu")  # the Wilcoxon gene-major copy is read on the GPU too
     seen = spy_blocks(monkeypatch, KERNEL_OF[method])
     got = tl.compute_markers(open_on(lognorm_store, "gpu"), "cell_type", method=method, work_dir=tmp_path, **kw)
     assert_gpu_blocks(seen, method)

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
 from atlasflow import gpu, gpu_cluster, pp  # noqa: E402
-from atlasflow.backend import is_gpu, to_backend  # noqa: E402
+from atlasflow.backend import is_gpu  # noqa: E402
+from atlasflow.gpu import to_backend  # noqa: E402
 from atlasflow.store import open_store, write_store  # noqa: E402
 
 N_CELLS, N_GENES, CHUNK_ROWS = 3000, 2000, 700  # five row blocks, the last one partial
@@ -394,12 +395,12 @@ def test_each_worker_sees_its_own_gpu(gpu_run):
 def test_write_brings_blocks_home_and_links_unchanged_x(raw_store, tmp_path):
     import anndata as ad
 
-    from atlasflow import store
+    from atlasflow.sources import source_of
 
     with dask.config.set(scheduler="threads"):
         a = to_backend(open_store(raw_store), "gpu")
         assert_on_gpu(block_kinds(a.X), sparse=True)
-        assert store.source_of(a.X) == (str(raw_store), "X")  # still known as the stored X: linkable
+        assert source_of(a.X) == (str(raw_store), "X")  # still known as the stored X: linkable
         write_store(a, tmp_path / "same.zarr")  # X unchanged: linked, not rewritten
         src = next(p for p in sorted((raw_store / "X" / "data").rglob("*")) if p.is_file() and p.name != "zarr.json")
         dst = tmp_path / "same.zarr" / "X" / "data" / src.relative_to(raw_store / "X" / "data")
@@ -441,7 +442,7 @@ def test_stage_script_runs_on_the_gpu(raw_store, tmp_path, monkeypatch):
     assert stage_main(qc_stage, argv=[*common, "--output", str(tmp_path / "gpu.zarr"), "--backend", "gpu",
                                       "--gpu-preset", "capacity"]) == 0
     assert calls and all(m.startswith("cupyx") for m in calls), (
-        "the qc stage did not move X to the GPU: call atlasflow.backend.to_backend(adata, args.backend) "
+        "the qc stage did not move X to the GPU: call atlasflow.gpu.to_backend(adata, args.backend) "
         "after open_store in the stages")
     assert stage_main(qc_stage, argv=[*common, "--output", str(tmp_path / "cpu.zarr"), "--backend", "cpu",
                                       "--n-workers", "2"]) == 0

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 N_PCS = 50
 #: default cap on the Gram matrix (float64) a PCA may accumulate, in MiB (~16,000 genes)
 MAX_GRAM_MIB = 2048
-_EMPTY = object()
+#: ``mask_var`` not given: scanpy's default (highly_variable when var has it)
+MASK_DEFAULT = object()
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def pca(
     zero_center: bool = True,
     svd_solver: str | None = None,
     random_state=0,
-    mask_var=_EMPTY,
+    mask_var=MASK_DEFAULT,
     use_highly_variable: bool | None = None,
     dtype="float32",
     key_added: str | None = None,
@@ -203,12 +204,12 @@ def _flip_signs(components: np.ndarray) -> np.ndarray:
 
 def _mask(adata, mask_var, use_highly_variable):
     """scanpy's resolution of ``mask_var`` / ``use_highly_variable`` to (parameter, boolean mask or None)."""
-    if use_highly_variable is not None and mask_var is not _EMPTY:
+    if use_highly_variable is not None and mask_var is not MASK_DEFAULT:
         raise ConfigError("pca: pass either mask_var or use_highly_variable, not both")
-    if use_highly_variable or (use_highly_variable is None and mask_var is _EMPTY
+    if use_highly_variable or (use_highly_variable is None and mask_var is MASK_DEFAULT
                                and "highly_variable" in adata.var.columns):
         mask_var = "highly_variable"
-    if mask_var is _EMPTY or mask_var is None:
+    if mask_var is MASK_DEFAULT or mask_var is None:
         return None, None
     if isinstance(mask_var, str):
         if mask_var not in adata.var:

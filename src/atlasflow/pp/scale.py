@@ -16,7 +16,7 @@ import pandas as pd
 from atlasflow import kernels, progress
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.pp._utils import get_matrix, row_aligned, set_matrix, shared
-from atlasflow.store import _is_sparse_meta
+from atlasflow.backend import is_sparse_meta
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def scale(
         var *= n_used / (n_used - 1)
     std = np.sqrt(var)
     std[std == 0] = 1
-    sparse = _is_sparse_meta(X)
+    sparse = is_sparse_meta(X)
     if sparse and zero_center:
         log.info("scale: zero-centering densifies the sparse matrix")
     if not zero_center and max_value is not None:

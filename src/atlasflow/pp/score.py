@@ -171,6 +171,6 @@ def _sequential_col_sums(X):
 
 
 def _is_sparse(X) -> bool:
-    from atlasflow.store import _is_sparse_meta
+    from atlasflow.backend import is_sparse_meta
 
-    return _is_sparse_meta(X)
+    return is_sparse_meta(X)

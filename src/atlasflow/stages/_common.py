@@ -23,6 +23,20 @@ def json_arg(text):
         raise ConfigError(f"not valid JSON: {text!r} ({exc.msg})") from exc
 
 
+def optional_bool(text):
+    """argparse type: true/false, or none/null for 'as scanpy decides' (bools from Snakemake pass through)."""
+    if text is None or isinstance(text, bool):
+        return text
+    t = str(text).lower()
+    if t in ("none", "null", ""):
+        return None
+    if t in ("true", "yes", "1"):
+        return True
+    if t in ("false", "no", "0"):
+        return False
+    raise ConfigError(f"expected true, false or none, not {text!r}")
+
+
 class BadValue(ConfigError):
     """A value outside a Number's bounds, naming its key (one line from the stage script, exit non-zero)."""
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from atlasflow.errors import ConfigError
-from atlasflow.stages._common import (Number, json_arg, optional_int, optional_positive_float, positive_float,
-                                      shape_summary)
+from atlasflow.stages._common import (Number, json_arg, optional_bool, optional_int, optional_positive_float,
+                                      positive_float, shape_summary)
 from atlasflow.store import open_store, write_store
 from atlasflow.tl._gpu import clustering_engine, resolve_backend
 from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
@@ -21,20 +20,6 @@ DESCRIPTION = ("Leiden clustering of the neighbors graph (scanpy.tl.leiden): obs
                "extra resolution); X is linked, not copied.")
 NEEDS_CLUSTER = False
 log = logging.getLogger(__name__)
-
-
-def optional_bool(text):
-    """argparse type: true/false, or none/null for 'as scanpy decides' (bools from Snakemake pass through)."""
-    if text is None or isinstance(text, bool):
-        return text
-    t = str(text).lower()
-    if t in ("none", "null", ""):
-        return None
-    if t in ("true", "yes", "1"):
-        return True
-    if t in ("false", "no", "0"):
-        return False
-    raise ConfigError(f"expected true, false or none, not {text!r}")
 
 
 def to_floats(values, name: str) -> list[float]:

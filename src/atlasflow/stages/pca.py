@@ -12,9 +12,10 @@ import logging
 import numpy as np
 
 from atlasflow import pp
-from atlasflow.pp._pca import _EMPTY, MAX_GRAM_MIB, ScaledFrom
+from atlasflow.pp._pca import MASK_DEFAULT, MAX_GRAM_MIB, ScaledFrom
 from atlasflow.stages._common import optional_positive_int, positive_float, shape_summary
-from atlasflow.store import _is_sparse_meta, open_matrix, open_store, provenance, write_store
+from atlasflow.backend import is_sparse_meta
+from atlasflow.store import open_matrix, open_store, provenance, write_store
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def add_arguments(p):
 
 def run(args, client) -> dict:
     adata = open_store(args.input, chunk_rows=args.chunk_rows, obs_columns=False)  # pca never reads obs
-    mask = {"auto": _EMPTY, "none": None, None: None}.get(args.mask_var, args.mask_var)
+    mask = {"auto": MASK_DEFAULT, "none": None, None: None}.get(args.mask_var, args.mask_var)
     scaled_from = None if args.layer else scaled_source(adata, args.input, args.unscaled, args.chunk_rows)
     pp.pca(adata, args.n_comps, zero_center=args.zero_center, mask_var=mask, key_added=args.key_added,
            dtype=args.dtype, max_gram_mib=args.max_gram_mib, layer=args.layer, scaled_from=scaled_from)
@@ -65,7 +66,7 @@ def scaled_source(adata, scaled: str, unscaled: str | None, chunk_rows: int) -> 
         why = "var lacks the scale stage's mean and std"
     else:
         source, obs_names, var_names = open_matrix(unscaled, chunk_rows=chunk_rows)
-        if not _is_sparse_meta(source):
+        if not is_sparse_meta(source):
             why = f"X of {unscaled} is not sparse"
         elif (source.shape != adata.shape or not var_names.equals(adata.var_names)
               or not obs_names.equals(adata.obs_names)):

@@ -6,7 +6,8 @@ import argparse
 
 from atlasflow import pp
 from atlasflow.stages._common import optional_positive_float, shape_summary, stored_row_nnz
-from atlasflow.store import _is_sparse_meta, open_store, write_store
+from atlasflow.backend import is_sparse_meta
+from atlasflow.store import open_store, write_store
 
 DESCRIPTION = "Scale each gene to unit variance (and zero mean), clipping at max_value; var gains mean and std."
 
@@ -24,7 +25,7 @@ def add_arguments(p):
 def run(args, client) -> dict:
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
     x_in = adata.X if args.layer is None else adata.layers[args.layer]
-    keeps_structure = (not args.zero_center) and _is_sparse_meta(x_in) if x_in is not None else False
+    keeps_structure = (not args.zero_center) and is_sparse_meta(x_in) if x_in is not None else False
     pp.scale(adata, zero_center=args.zero_center, max_value=args.max_value, mask_obs=args.mask_obs, layer=args.layer)
     key = "X" if args.layer is None else f"layers/{args.layer}"
     row_nnz = {key: stored_row_nnz(args.input, key)} if keeps_structure else None

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from atlasflow.cluster import allocation_cores
+from atlasflow.allocation import allocation_cores
 from atlasflow.errors import ConfigError
 from atlasflow.simulate import SimParams, write_simulated
 

@@ -32,11 +32,11 @@ CUGRAPH_MAX_LEVELS = 100
 
 def resolve_backend(backend: str | None) -> str:
     """'gpu' or 'cpu': ``auto`` becomes gpu where CuPy sees a device; gpu without CuPy or a device fails in one line."""
-    from atlasflow.cluster import validate_backend
+    from atlasflow.gpu import validate_backend
 
     resolved = validate_backend(backend or "cpu")
     if resolved == "gpu":
-        gpu._cupy()  # one-line GpuUnavailableError without CuPy
+        gpu.import_cupy()  # one-line GpuUnavailableError without CuPy
         if gpu.device_count() == 0:
             raise gpu.GpuUnavailableError("backend gpu: CuPy sees no CUDA device (check the driver / "
                                           "CUDA_VISIBLE_DEVICES) or use backend: cpu")
@@ -81,7 +81,7 @@ def _knn_cuml(x: np.ndarray, k: int, metric: str) -> tuple[np.ndarray, np.ndarra
     nn.fit(x)
     dist, ind = nn.kneighbors(x)
     dist, ind = np.asarray(dist, dtype=np.float64), np.asarray(ind, dtype=np.int64)
-    order = gpu._lexsort_rows(dist, ind, np)  # ties in index order, as the CPU search
+    order = gpu.lexsort_rows(dist, ind, np)  # ties in index order, as the CPU search
     return np.take_along_axis(ind, order, axis=1), np.take_along_axis(dist, order, axis=1)
 
 

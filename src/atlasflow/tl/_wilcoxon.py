@@ -22,7 +22,7 @@ from scipy import stats
 
 from atlasflow import kernels, progress
 from atlasflow.errors import InputError
-from atlasflow.store import source_of
+from atlasflow.sources import source_of
 from atlasflow.tl._groups import Design, GroupStats
 from atlasflow.transpose import is_gene_major_of, open_gene_major, source_signature, write_gene_major
 
