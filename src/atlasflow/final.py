@@ -29,6 +29,7 @@ from atlasflow import ownership
 from atlasflow.errors import InputError
 from atlasflow.plots import palette, read_slots
 from atlasflow.store import copy_by_chunk, index_dtype, open_store
+from atlasflow.compat import named_layers
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def estimate_h5ad_bytes(adata: ad.AnnData, store: Path) -> int:
 
     total = 0
     root = zarr.open_group(str(store), mode="r")
-    for key in ("X", *(f"layers/{k}" for k in adata.layers)):
+    for key in ("X", *(f"layers/{k}" for k in named_layers(adata))):
         node = root[key]
         if node.attrs.get("encoding-type") == "csr_matrix":
             total += int(node["data"].shape[0]) * (node["data"].dtype.itemsize + 4) + int(node["indptr"].nbytes)
@@ -150,7 +151,7 @@ def write_h5ad(adata: ad.AnnData, path: str | Path) -> Path:
                           obsp=dict(adata.obsp), uns=dict(adata.uns))
     skeleton.write_h5ad(tmp)
     with h5py.File(tmp, "a") as f:
-        big = {"X": adata.X, **{f"layers/{k}": v for k, v in adata.layers.items()}}
+        big = {"X": adata.X, **{f"layers/{k}": v for k, v in named_layers(adata).items()}}
         for key, x in big.items():
             if key in f:
                 del f[key]

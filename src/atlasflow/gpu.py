@@ -26,6 +26,7 @@ from atlasflow import sources
 from atlasflow.backend import is_gpu, is_sparse_meta
 from atlasflow.sources import source_of
 from atlasflow.errors import AtlasflowError, ConfigError, InputError
+from atlasflow.compat import named_layers
 
 log = logging.getLogger(__name__)
 
@@ -406,6 +407,6 @@ def to_backend(adata, backend: str):
         return adata
     if adata.X is not None:
         adata.X = to_device(adata.X)
-    for key in list(adata.layers.keys()):
+    for key in list(named_layers(adata)):
         adata.layers[key] = to_device(adata.layers[key])
     return adata

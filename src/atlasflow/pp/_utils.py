@@ -9,6 +9,7 @@ import scipy.sparse as sp
 
 from atlasflow import kernels
 from atlasflow.errors import InputError
+from atlasflow.compat import named_layers
 
 #: Row block size used when an in-memory matrix is wrapped as a Dask array.
 DEFAULT_CHUNK_ROWS = 10_000
@@ -21,7 +22,7 @@ def get_matrix(adata: ad.AnnData, layer: str | None, who: str) -> da.Array:
     """
     if layer is not None:
         if layer not in adata.layers:
-            raise InputError(f"{who}: layer={layer!r} is not a layer of the data (layers: {list(adata.layers)})")
+            raise InputError(f"{who}: layer={layer!r} is not a layer of the data (layers: {list(named_layers(adata))})")
         x = adata.layers[layer]
     else:
         x = adata.X

@@ -27,6 +27,7 @@ import pandas as pd
 from atlasflow import kernels, progress
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.pp._utils import take_columns, take_rows
+from atlasflow.compat import named_layers
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ def filter_cells_genes(adata: ad.AnnData, cell_mask: np.ndarray, gene_mask: np.n
         X=None if adata.X is None else matrix(adata.X),
         obs=adata.obs.loc[cells],
         var=adata.var if gene_idx is None else adata.var.iloc[gene_idx],
-        layers={k: matrix(v) for k, v in adata.layers.items()},
+        layers={k: matrix(v) for k, v in named_layers(adata).items()},
         obsm={k: rows(v) for k, v in adata.obsm.items()},
         varm={k: (v if gene_idx is None else v[gene_idx]) for k, v in adata.varm.items()},
         uns=dict(adata.uns),

@@ -13,6 +13,7 @@ import os
 from atlasflow import final
 from atlasflow.stages._common import optional_float
 from atlasflow.store import write_store
+from atlasflow.compat import named_layers
 
 DESCRIPTION = "Final AnnData store: log-normalised X + counts layer (linked), all obs/var, embeddings, graph, markers."
 NEEDS_CLUSTER = False
@@ -46,7 +47,7 @@ def run(args, client) -> dict:
     write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "final"})
     summary = {
         "cells_out": int(adata.n_obs), "genes_out": int(adata.n_vars),
-        "obs": list(map(str, adata.obs.columns)), "layers": list(adata.layers),
+        "obs": list(map(str, adata.obs.columns)), "layers": list(named_layers(adata)),
         "obsm": list(adata.obsm), "obsp": list(adata.obsp), "varm": list(adata.varm),
         "uns": sorted(map(str, adata.uns)), "h5ad": None,
     }

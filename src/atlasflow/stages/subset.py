@@ -8,6 +8,7 @@ from atlasflow.errors import InputError
 from atlasflow.pp._utils import take_columns
 from atlasflow.stages._common import shape_summary
 from atlasflow.store import open_store, write_store
+from atlasflow.compat import named_layers
 
 DESCRIPTION = "Keep only the genes flagged in a boolean var column (default: highly_variable)."
 
@@ -24,7 +25,7 @@ def subset_var(adata, mask):
     idx = np.flatnonzero(mask)
     return ad.AnnData(
         X=None if adata.X is None else take_columns(adata.X, idx), obs=adata.obs, var=adata.var.iloc[idx].copy(),
-        layers={k: take_columns(v, idx) for k, v in adata.layers.items()}, obsm=dict(adata.obsm),
+        layers={k: take_columns(v, idx) for k, v in named_layers(adata).items()}, obsm=dict(adata.obsm),
         varm={k: np.asarray(v)[idx] for k, v in adata.varm.items()}, obsp=dict(adata.obsp), uns=dict(adata.uns),
     )
 

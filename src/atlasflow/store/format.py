@@ -20,8 +20,18 @@ warnings.filterwarnings("ignore", message="Consolidated metadata is currently no
 # every such array. They are what scanpy reads back (sc.get.rank_genes_groups_df, sc.pl.rank_genes_groups),
 # anndata reads them on both stacks, and our tests read them back; see config/README.md, "Stored form".
 warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification.*")
+# anndata 0.13 asks pandas 3 for its deprecated `future.infer_string` option on every string column it reads or
+# writes (a Pandas4Warning each time); the option's value is pandas 3's default, so nothing changes for us.
+warnings.filterwarnings("ignore", message="The 'future.infer_string' option is deprecated")
 # Zarr format 3 everywhere (anndata's coming default); anndata >= 0.11 and scanpy read it.
 ad.settings.zarr_write_format = 3
+# One on-disk layout whichever anndata writes (0.12 or 0.13, so a store opens and extends on either):
+# anndata 0.13 would shard every small element (obs/var columns, uns) into one file with an index and write
+# pandas 3's str columns as nullable-string arrays; 0.12 does neither. Our own X/layers writer never shards:
+# row-block reads map to whole chunks. (The settings do not exist before anndata 0.13.)
+for _setting, _value in (("auto_shard_zarr_v3", False), ("allow_write_nullable_strings", False)):
+    if hasattr(ad.settings, _setting):
+        setattr(ad.settings, _setting, _value)
 
 #: Write every chunk, even all-zero ones, so a missing chunk file always means damage (see check_complete).
 #: Set globally too: arrays reopened on the workers do not keep a per-array runtime config.

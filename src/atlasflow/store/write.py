@@ -27,6 +27,7 @@ from atlasflow.errors import AtlasflowError, StoreError
 from atlasflow.store.commit import atomic_dir, link_tree
 from atlasflow.store.format import FULL_CHUNKS, META_KEY, index_dtype
 from atlasflow.store.read import read_partial, read_unchanged, writer_of
+from atlasflow.compat import named_layers
 
 
 #: Elements of a 1-D CSR array per Zarr chunk (4 MiB of float32).
@@ -51,7 +52,7 @@ def write_store(
     path = Path(path)
     row_nnz = row_nnz or {}
     big = {"X": adata.X} if adata.X is not None else {}
-    big.update({f"layers/{k}": v for k, v in adata.layers.items()})
+    big.update({f"layers/{k}": v for k, v in named_layers(adata).items()})
     if chunk_rows is None:
         chunk_rows = next((int(v.chunks[0][0]) for v in big.values() if isinstance(v, da.Array)), 10_000)
     with atomic_dir(path) as tmp:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from atlasflow import kernels
 from atlasflow.errors import ConfigError, InputError
+from atlasflow.compat import named_layers
 
 log = logging.getLogger("atlasflow.tl.markers")
 
@@ -47,7 +48,7 @@ class Design:
 def lazy_matrix(adata, layer: str | None, what: str) -> da.Array:
     """X or ``layers[layer]`` as a Dask array of row blocks; ``what`` names the caller in the error."""
     if layer is not None and layer not in adata.layers:
-        raise InputError(f"layer: no layer {layer!r} (layers: {list(adata.layers)})")
+        raise InputError(f"layer: no layer {layer!r} (layers: {list(named_layers(adata))})")
     x = adata.layers[layer] if layer is not None else adata.X
     if x is None:
         raise InputError(f"{what}: the store has no X")

@@ -69,7 +69,7 @@ def aggregate(adata: ad.AnnData, by, func, *, dof: int = 1, layer: str | None = 
     """Aggregate X (or a layer) over groups of cells, as ``scanpy.get.aggregate(adata, by, func, axis=0)``.
 
     Returns an in-memory AnnData (groups x genes) with one float64 layer per function, the group
-    labels as obs columns and ``adata.var``. Cells with a missing label are left out (with a warning;
+    labels and ``n_obs_aggregated`` (cells per group, as scanpy >= 1.12 adds) as obs columns and ``adata.var``. Cells with a missing label are left out (with a warning;
     scanpy fails on them). ``median`` is not available out of core.
     """
     funcs = [func] if isinstance(func, str) else list(func)
@@ -97,7 +97,7 @@ def aggregate(adata: ad.AnnData, by, func, *, dof: int = 1, layer: str | None = 
     if "mean" in funcs and "var" not in funcs:
         layers["mean"] = sums / counts[:, None]
     if "count_nonzero" in funcs:
-        layers["count_nonzero"] = nnz
+        layers["count_nonzero"] = nnz.astype(np.int64)  # exact integer sums; int64 as scanpy >= 1.12
     if "var" in funcs:
         mean_ = sums / counts[:, None]
         mean_sq = sq / counts[:, None]
@@ -111,4 +111,6 @@ def aggregate(adata: ad.AnnData, by, func, *, dof: int = 1, layer: str | None = 
         layers["var"] = var_
         if "mean" in funcs:
             layers["mean"] = mean_
-    return ad.AnnData(layers=layers, obs=labels, var=adata.var.copy())
+    obs = labels.copy()
+    obs["n_obs_aggregated"] = counts.astype(np.int64)  # as scanpy >= 1.12
+    return ad.AnnData(layers=layers, obs=obs, var=adata.var.copy())
