@@ -484,7 +484,14 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address, sig):
         time.sleep(1.0)  # the stage has submitted its work by now
         assert proc.poll() is None
         os.killpg(proc.pid, sig)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # say where it hung (a CI run once saw this, unreproduced since)
+            tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-g", str(proc.pid)],
+                                  capture_output=True, text=True).stdout
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"snakemake still ran 60 s after {sig.name}\nits processes:\n{tree}\n"
+                        f"its output:\n{proc.stdout.read()[-3000:]}\nnormalize.log:\n{log.read_text()[-3000:]}")
     finally:
         hold.set()
         client.gather(held)
