@@ -473,8 +473,11 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address, sig):
     hold.clear()
     workers = list(client.scheduler_info()["workers"])
     held = [client.submit(hold.wait, 120, workers=[w], allow_other_workers=False, pure=False) for w in workers]
+    # Ctrl-C's default action, as a terminal starts snakemake: a runner that started pytest in the background
+    # (`cmd &` in a script) passes SIGINT on as ignored, and snakemake and the stage would never see it
     proc = subprocess.Popen(snakemake_cmd(built, "--forcerun", "normalize"), cwd=built, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 120
         while not (log.exists() and "attached to" in log.read_text()):
@@ -486,7 +489,7 @@ def test_killed_stage_is_rerun_with_identical_results(built, dask_address, sig):
         os.killpg(proc.pid, sig)
         try:
             proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # say where it hung (a CI run once saw this, unreproduced since)
+        except subprocess.TimeoutExpired:  # say where it hung
             tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-g", str(proc.pid)],
                                   capture_output=True, text=True).stdout
             os.killpg(proc.pid, signal.SIGKILL)
