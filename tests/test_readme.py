@@ -35,11 +35,16 @@ def block_with(lang: str, text: str) -> list[str]:
     return [line for line in found[0].splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def run(clone: Path, command: str, timeout: float = 600) -> str:
-    """One README line through bash in the clone, this environment activated; its output (must succeed)."""
+def activated() -> dict:
+    """This environment, as `. .venv/bin/activate` gives it (its bin first on PATH), attached to no cluster."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("ATLASFLOW_SCHEDULER_FILE", None)
-    proc = subprocess.run(["bash", "-ec", command], cwd=clone, env=env, text=True, stdout=subprocess.PIPE,
+    return env
+
+
+def run(clone: Path, command: str, timeout: float = 600) -> str:
+    """One README line through bash in the clone, this environment activated; its output (must succeed)."""
+    proc = subprocess.run(["bash", "-ec", command], cwd=clone, env=activated(), text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=timeout)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-4000:]}"
     return proc.stdout
@@ -103,8 +108,7 @@ def test_cluster_block_runs_as_written(clone):
     try:
         out = run(clone, " && ".join(lines), timeout=300)
     finally:
-        subprocess.run(["bash", "-c", lines[-1]], cwd=clone, capture_output=True, timeout=60,
-                       env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+        subprocess.run(["bash", "-c", lines[-1]], cwd=clone, capture_output=True, timeout=60, env=activated())
     assert "Nothing to be done" in out, out[-3000:]
 
 

@@ -27,7 +27,7 @@ import scipy.sparse as sp
 
 from atlasflow import ownership
 from atlasflow.errors import InputError
-from atlasflow.plots import palette, read_slots
+from atlasflow.plots import add_missing_columns, palette, read_slots
 from atlasflow.store import copy_by_chunk, index_dtype, open_store
 from atlasflow.compat import named_layers
 
@@ -88,9 +88,7 @@ def assemble(log1p, counts=None, hvg=None, embedding=None, clusters=None, marker
     uns = dict(adata.uns)
     if embedding:
         obs, obsm, obsp, emb_uns, varm, emb_var = read_slots(embedding, "obs", "obsm", "obsp", "uns", "varm", "var")
-        obs = _aligned(obs, adata.obs_names, "cell", embedding)
-        extra = [c for c in adata.obs.columns if c not in obs.columns]
-        adata.obs = pd.concat([obs, adata.obs[extra]], axis=1) if extra else obs
+        adata.obs = add_missing_columns(_aligned(obs, adata.obs_names, "cell", embedding), adata.obs)
         for key, value in (obsm or {}).items():
             adata.obsm[key] = value
         for key, value in (obsp or {}).items():
@@ -99,25 +97,22 @@ def assemble(log1p, counts=None, hvg=None, embedding=None, clusters=None, marker
         if varm:
             adata.varm.update(expand_varm(varm, emb_var.index, adata.var_names))
     if clusters:
-        c_obs, c_uns = read_slots(clusters, "obs", "uns")
-        c_obs = _aligned(c_obs, adata.obs_names, "cell", clusters)
-        for c in c_obs.columns:
-            if c not in adata.obs:
-                adata.obs[c] = c_obs[c]
-        for key, value in (c_uns or {}).items():
+        for key, value in _add_obs_of(adata, clusters).items():
             uns.setdefault(key, value)
     if markers:
-        m_obs, m_uns = read_slots(markers, "obs", "uns")
-        m_obs = _aligned(m_obs, adata.obs_names, "cell", markers)
-        for c in m_obs.columns:
-            if c not in adata.obs:
-                adata.obs[c] = m_obs[c]
-        for key, value in (m_uns or {}).items():
+        for key, value in _add_obs_of(adata, markers).items():
             if key not in uns or key.startswith("rank_genes_groups"):
                 uns[key] = value
     adata.uns = uns
     add_colors(adata)
     return adata
+
+
+def _add_obs_of(adata: ad.AnnData, store) -> dict:
+    """Add the obs columns of ``store`` that ``adata`` lacks (aligned by cell); return the store's uns."""
+    obs, uns = read_slots(store, "obs", "uns")
+    adata.obs = add_missing_columns(adata.obs, _aligned(obs, adata.obs_names, "cell", store))
+    return uns or {}
 
 
 # ------------------------------------------------------------------------------------------ h5ad

@@ -103,6 +103,13 @@ def read_slots(path, *keys):
     return out if len(out) > 1 else out[0]
 
 
+
+def add_missing_columns(obs: pd.DataFrame, other: pd.DataFrame) -> pd.DataFrame:
+    """``obs`` with the columns of ``other`` (same cells, same order) that it lacks, appended."""
+    extra = [c for c in other.columns if c not in obs.columns]
+    return pd.concat([obs, other[extra]], axis=1) if extra else obs
+
+
 # ------------------------------------------------------------------------------------------ colours
 
 

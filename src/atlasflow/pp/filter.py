@@ -151,7 +151,7 @@ def cells_per_gene(x, rows: np.ndarray) -> np.ndarray:
     bounds = np.cumsum((0,) + x.chunks[0])
     holding = [i for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])) if rows[s:e].any()]
     picked = take_rows(x, rows)
-    picked = da.concatenate([picked.blocks[i] for i in holding]) if len(holding) > 1 else picked.blocks[holding[0]]
+    picked = da.concatenate([picked.blocks[i] for i in holding])
     counts = progress.compute(kernels.over_blocks(picked, kernels.col_sums_and_nnz, 2 * m),
                               label="filter: genes in the cells left out")[0]
     return np.asarray(counts[m:]).astype(np.int64)

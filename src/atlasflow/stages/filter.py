@@ -8,7 +8,7 @@ import pandas as pd
 
 from atlasflow import pp
 from atlasflow.errors import InputError
-from atlasflow.stages._common import (check_order, json_arg, non_negative_int, optional_non_negative_float,
+from atlasflow.stages._common import (Choice, check_order, json_arg, non_negative_int, optional_non_negative_float,
                                       optional_percent, shape_summary, stored_row_nnz)
 from atlasflow.store import open_store, require, write_store
 
@@ -25,13 +25,17 @@ THRESHOLDS = {
     "max_pct_mt": (optional_percent, "keep cells with pct_counts_mt < this (a percentage, 0 to 100)"),
 }
 
+#: Which cells min_cells counts over (argparse type; also checks a Snakemake param).
+MIN_CELLS_OVER = Choice(pp.filter.MIN_CELLS_OVER)
+
 
 def add_arguments(p):
     for key, (kind, text) in THRESHOLDS.items():
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=kind.named(key), default=None, help=text)
     p.add_argument("--min-cells", dest="min_cells", type=non_negative_int.named("min_cells"), default=0,
                    help="keep genes detected in >= this many cells (counted over the cells of --min-cells-over)")
-    p.add_argument("--min-cells-over", dest="min_cells_over", choices=pp.filter.MIN_CELLS_OVER, default="min_genes",
+    p.add_argument("--min-cells-over", dest="min_cells_over", type=MIN_CELLS_OVER.named("min_cells_over"),
+                   default="min_genes", metavar="{" + ",".join(pp.filter.MIN_CELLS_OVER) + "}",
                    help="the cells min_cells counts over: min_genes = those kept by min_genes/min_counts (scanpy's "
                         "tutorial and Seurat: filter_cells, then filter_genes), kept = those kept by every cell "
                         "filter, qc = every cell of the input (default: %(default)s)")
@@ -55,17 +59,15 @@ def run(args, client) -> dict:
     # checked here too: Snakemake params arrive unparsed
     thresholds = {k: THRESHOLDS[k][0](getattr(args, k), k) for k in pp.filter.CELL_THRESHOLDS}
     min_cells = non_negative_int(args.min_cells, "min_cells")
+    min_cells_over = MIN_CELLS_OVER(args.min_cells_over, "min_cells_over")
     check_order(thresholds, "min_genes", "max_genes")
     check_order(thresholds, "min_counts", "max_counts")
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
     require(adata, args.input, "filter",
             obs=sorted({pp.filter.CELL_THRESHOLDS[k][0] for k, v in thresholds.items() if v is not None}),
             var=["n_cells_by_counts"] if min_cells else [])
-    if args.min_cells_over not in pp.filter.MIN_CELLS_OVER:  # a Snakemake param arrives unparsed
-        raise InputError(f"filter: min_cells_over must be one of {', '.join(pp.filter.MIN_CELLS_OVER)}, "
-                         f"not {args.min_cells_over!r}")
     cells, genes, report = pp.qc_filter_masks(
-        adata, thresholds=thresholds, min_cells=min_cells, min_cells_over=args.min_cells_over,
+        adata, thresholds=thresholds, min_cells=min_cells, min_cells_over=min_cells_over,
         per_sample=_per_sample_table(args.per_sample), mad=args.mad,
     )
     for rule, n in report.items():
@@ -75,5 +77,5 @@ def run(args, client) -> dict:
     del adata  # the unfiltered obs (~200 MiB at 1M cells) is not needed while writing
     row_nnz = stored_row_nnz(args.input)[cells] if genes.all() else None
     write_store(out, args.output, chunk_rows=args.chunk_rows, row_nnz={"X": row_nnz}, provenance={"stage": "filter"})
-    return {**shapes, "removed_by": report, "min_cells_over": args.min_cells_over,
+    return {**shapes, "removed_by": report, "min_cells_over": min_cells_over,
             "thresholds": {k: v for k, v in thresholds.items() if v is not None}}

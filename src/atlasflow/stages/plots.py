@@ -149,8 +149,7 @@ def _with_clusters(obs: pd.DataFrame, uns, args):
     c_obs, c_uns = pl.read_slots(args.clusters_store, "obs", "uns")
     if not c_obs.index.equals(obs.index):
         raise InputError(f"{args.clusters_store} does not have the cells of {args.embedding_store}")
-    extra = [c for c in c_obs.columns if c not in obs.columns]
-    obs = pd.concat([obs, c_obs[extra]], axis=1) if extra else obs
+    obs = pl.add_missing_columns(obs, c_obs)
     for key, value in (c_uns or {}).items():
         uns.setdefault(key, value)
     return obs, uns

@@ -11,8 +11,6 @@ import numpy as np
 import zarr
 import zarr.core.array
 
-
-
 warnings.filterwarnings("ignore", message=".*autosharding.*")
 warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
 # uns entries that anndata writes as NumPy structured arrays (rank_genes_groups' names/scores/pvals, one
