@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import scanpy as sc
 import scipy.sparse as sp
-from packaging.version import Version
+from _scanpy_stack import SCANPY_1_12
 
 from atlasflow import kernels, tl
 from atlasflow.cli import stage_main
@@ -23,7 +23,6 @@ from atlasflow.store import open_store, write_store
 
 PBMC3K = Path(__file__).resolve().parents[2] / "shared" / "data" / "pbmc3k"
 FUNCS = ["sum", "mean", "var", "count_nonzero"]
-SCANPY_1_12 = Version(sc.__version__) >= Version("1.12")
 
 
 @pytest.fixture(scope="module")

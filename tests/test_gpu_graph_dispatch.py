@@ -283,6 +283,7 @@ def fake_cuml_umap(monkeypatch):
 
     cupy = types.ModuleType("cupy")
     cupy.asarray, cupy.float32 = np.asarray, np.float32
+    cupy.ndarray = type("ndarray", (), {})  # scipy >= 1.17 asks any loaded cupy for its array type
     mod = types.ModuleType("cuml.manifold.umap")
     mod.simplicial_set_embedding = simplicial_set_embedding
     for name, m in {"cupy": cupy, "cuml": types.ModuleType("cuml"), "cuml.manifold": types.ModuleType("x"),

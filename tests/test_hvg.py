@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 from _oocore import batches, count_x_reads, jaccard, lazy, store_of
+from _scanpy_stack import SCANPY_1_12
 
 from atlasflow import pp
 from atlasflow.errors import ConfigError, InputError
@@ -93,9 +94,17 @@ def test_flavors_select_scanpys_genes(snaps, case):
     ours = lazy(snaps[which], 500)
     with dask.config.set(scheduler="sync"):
         pp.highly_variable_genes(ours, **kw)
+    assert ours.uns["hvg"] == ref.uns["hvg"]
+    if SCANPY_1_12 and kw["flavor"].startswith("seurat_v3") and "batch_key" in kw:
+        # scanpy 1.12 takes each batch's mean/variance from get.aggregate (Welford): the loess inputs move by
+        # 1e-12 and its fit turns that into 1e-3 in variances_norm, then into rank flips at the cut. Measured
+        # the same between scanpy 1.11.5 and 1.12.4 themselves; we are bitwise equal to 1.11 (the case above)
+        assert jaccard(ours.var["highly_variable"], ref.var["highly_variable"]) >= 0.99
+        _assert_var_equal(ours.var[["means", "variances"]], ref.var[["means", "variances"]])
+        np.testing.assert_allclose(ours.var["variances_norm"], ref.var["variances_norm"], rtol=2e-3)
+        return
     assert jaccard(ours.var["highly_variable"], ref.var["highly_variable"]) == 1.0
     _assert_var_equal(ours.var, ref.var)
-    assert ours.uns["hvg"] == ref.uns["hvg"]
 
 
 def _poisson_reference(x: np.ndarray, n_top: int):

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from _oocore import count_x_reads, lazy, store_of
+from _scanpy_stack import assert_scores_equal
 
 from atlasflow import pp
 from atlasflow.errors import InputError
@@ -44,7 +45,7 @@ def test_score_genes_equals_scanpy(scanpy_pbmc3k):
     ours = lazy(snap, 700)
     with dask.config.set(scheduler="sync"):
         pp.score_genes(ours, T_CELL, score_name="t_cell")
-    np.testing.assert_array_equal(ours.obs["t_cell"].to_numpy(), ref.obs["t_cell"].to_numpy())
+    assert_scores_equal(ours.obs["t_cell"], ref.obs["t_cell"])
     assert ours.obs["t_cell"].dtype == np.float64
     assert isinstance(ours.X, dask.array.Array)
 
@@ -54,7 +55,7 @@ def test_score_genes_equals_scanpy(scanpy_pbmc3k):
     ours = lazy(snap, 700)
     with dask.config.set(scheduler="sync"):
         pp.score_genes(ours, T_CELL, **kw)
-    np.testing.assert_array_equal(ours.obs["score"].to_numpy(), ref.obs["score"].to_numpy())
+    assert_scores_equal(ours.obs["score"], ref.obs["score"])
 
 
 def test_cell_cycle_equals_scanpy(scanpy_pbmc3k, cell_cycle):
@@ -65,7 +66,7 @@ def test_cell_cycle_equals_scanpy(scanpy_pbmc3k, cell_cycle):
     with dask.config.set(scheduler="sync"):
         pp.score_genes_cell_cycle(ours, s_genes=s_genes, g2m_genes=g2m_genes)
     for col in ("S_score", "G2M_score"):
-        np.testing.assert_array_equal(ours.obs[col].to_numpy(), ref.obs[col].to_numpy())
+        assert_scores_equal(ours.obs[col], ref.obs[col], err_msg=col)
     assert (ours.obs["phase"].astype(str) == ref.obs["phase"].astype(str)).all()
     assert set(ours.obs["phase"]) == {"G1", "S", "G2M"}
 
@@ -140,7 +141,7 @@ def test_score_genes_stage(scanpy_pbmc3k, cell_cycle, client, tmp_path):
     ref = _scanpy(snap, "score_genes_cell_cycle", s_genes=s_genes, g2m_genes=g2m_genes)
     ref = _scanpy(ref, "score_genes", T_CELL, score_name="t_cell")
     for col in ("S_score", "G2M_score", "t_cell"):
-        np.testing.assert_array_equal(got.obs[col].to_numpy(), ref.obs[col].to_numpy())
+        assert_scores_equal(got.obs[col], ref.obs[col], err_msg=col)
     assert (got.obs["phase"].astype(str) == ref.obs["phase"].astype(str)).all()
     assert (out / "X" / "data").exists()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import anndata as ad
 import dask
@@ -88,6 +89,31 @@ def test_open_matrix_gives_the_matrix_and_names_alone(source):
     assert x.chunks == a.X.chunks
     with dask.config.set(scheduler="sync"):
         assert (x.compute() != a.X.compute()).nnz == 0
+
+
+def test_sharded_matrix_as_anndata_0_13_writes_it_opens_and_a_lost_shard_is_damage(source, tmp_path):
+    """anndata 0.13 shards arrays by default (one file per shard, many chunks inside): a store of a user's
+    such X opens with the same values, and a missing shard file is still a one-line error, never zeros."""
+    import zarr
+
+    from atlasflow.errors import StoreError
+
+    store = tmp_path / "sharded.zarr"
+    shutil.copytree(source, store)
+    ref = ad.read_zarr(source).X
+    for part in ("data", "indices"):
+        values = zarr.open_array(str(source / "X" / part), mode="r")[:]
+        shutil.rmtree(store / "X" / part)
+        arr = zarr.create_array(str(store / "X" / part), shape=values.shape, dtype=values.dtype,
+                                chunks=(16,), shards=(64,), zarr_format=3)
+        arr[:] = values
+        assert len(list((store / "X" / part / "c").iterdir())) < -(-values.shape[0] // 16)  # fewer files than chunks
+    zarr.consolidate_metadata(str(store))  # as a writer would leave it
+    with dask.config.set(scheduler="sync"):
+        assert (open_store(store, chunk_rows=20).X.compute() != ref).nnz == 0
+    next((store / "X" / "data" / "c").iterdir()).unlink()
+    with pytest.raises(StoreError, match="damaged"):
+        open_store(store, chunk_rows=20)
 
 
 def test_reordered_categories_are_a_change(source, tmp_path):

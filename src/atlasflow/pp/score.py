@@ -146,7 +146,7 @@ def _score_sets(adata, sets, *, ctrl_as_ref=True, gene_pool=None, n_bins=25, ran
 def _control_genes(cut: pd.Series, genes: pd.Index, *, ctrl_as_ref: bool, ctrl_size: int, random_state) -> pd.Index:
     """Control genes: ``ctrl_size`` random pool genes from each expression bin that holds a scored gene."""
     rng = np.random.RandomState(random_state)
-    exclude = False if ctrl_as_ref else cut.index.isin(genes)
+    exclude = np.zeros(len(cut), dtype=bool) if ctrl_as_ref else cut.index.isin(genes)
     control = pd.Index([], dtype="string")
     for c in np.unique(cut.loc[cut.index.intersection(genes)]):  # scored genes outside the pool: no bin
         candidates = cut[(cut == c) & ~exclude].index

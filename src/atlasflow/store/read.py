@@ -224,9 +224,14 @@ def lazy_elem(path: Path, key: str, *, chunk_rows: int, store_id: str) -> da.Arr
 
 
 def check_complete(path: Path, key: str) -> None:
-    """Fail if chunk files of an array are missing (Zarr would silently read them as zeros)."""
+    """Fail if chunk files of an array are missing (Zarr would silently read them as zeros).
+
+    A sharded array (anndata 0.13 writes them by default; our writers never do) has one file per shard, so
+    missing shards are caught; inner chunks absent from a shard are a shard's normal way to store empty ones.
+    """
     arr = zarr.open_array(str(path / key), mode="r")
-    expected = int(np.prod([-(-s // c) for s, c in zip(arr.shape, arr.chunks, strict=True)])) if arr.size else 0
+    per_file = getattr(arr, "shards", None) or arr.chunks
+    expected = int(np.prod([-(-s // c) for s, c in zip(arr.shape, per_file, strict=True)])) if arr.size else 0
     chunk_dir = path / key / "c"
     found = sum(len(files) for _, _, files in os.walk(chunk_dir)) if chunk_dir.exists() else 0
     if arr.metadata.zarr_format == 2:
