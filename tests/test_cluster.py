@@ -124,6 +124,7 @@ def test_workers_get_one_blas_thread_whatever_the_job_exports(monkeypatch, tmp_p
     from atlasflow.cluster import connect
 
     def _blas_threads() -> list[int]:  # local: pickled by value for the workers
+        import numpy  # noqa: F401  (loads BLAS as any task does: older workers have not imported it yet)
         import threadpoolctl
 
         return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
