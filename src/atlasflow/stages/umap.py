@@ -35,7 +35,11 @@ def add_arguments(p):
     p.add_argument("--gamma", type=non_negative_float.named("gamma"), default=1.0, help="weight of negative samples")
     p.add_argument("--negative-sample-rate", dest="negative_sample_rate", default=5,
                    type=non_negative_int.named("negative_sample_rate"), help="negative samples per positive edge")
-    p.add_argument("--init-pos", dest="init_pos", default="spectral", help="spectral (scanpy's; ~7 GB at 1M cells), random or an obsm key")
+    p.add_argument("--init-pos", dest="init_pos", default="spectral", help="spectral (scanpy's), random or an obsm key")
+    p.add_argument("--exact-spectral-max-cells", dest="exact_spectral_max_cells", default=300_000,
+                   type=optional_positive_int.named("exact_spectral_max_cells"),
+                   help="spectral start by umap-learn's ARPACK (scanpy's layout; 7.5 GiB at 1M cells) up to this "
+                        "many cells, by LOBPCG above (none: ARPACK always)")
     p.add_argument("--random-state", dest="random_state", type=optional_int.named("random_state"),
                    default=0, help="seed")
     p.add_argument("--a", type=optional_positive_float.named("a"),
@@ -60,16 +64,23 @@ def run(args, client) -> dict:
         init_pos=args.init_pos, random_state=optional_int(args.random_state, "random_state"),
         a=optional_positive_float(args.a, "a"), b=optional_positive_float(args.b, "b"),
         key_added=args.key_added, neighbors_key=args.neighbors_key, parallel=bool(args.parallel),
+        exact_spectral_max_cells=optional_positive_int(args.exact_spectral_max_cells, "exact_spectral_max_cells"),
         backend=backend,
     )
     key_obsm, key_uns = ("X_umap", "umap") if args.key_added is None else (args.key_added, args.key_added)
     write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "umap"})
     emb = np.asarray(adata.obsm[key_obsm])
     params = adata.uns[key_uns]["params"]
+    engine = umap_engine(backend, 1 if args.maxiter is None else optional_int(args.maxiter))
+    gate = optional_positive_int(args.exact_spectral_max_cells, "exact_spectral_max_cells")
+    start = args.init_pos
+    if start == "spectral" and engine != "cuML":
+        start = "spectral (LOBPCG)" if gate is not None and adata.n_obs > gate else "spectral (ARPACK, scanpy's)"
     return {
         **shape_summary(adata, adata),
         "backend": backend,
-        "engine": umap_engine(backend, 1 if args.maxiter is None else optional_int(args.maxiter)),
+        "engine": engine,
+        "start": start,
         "a": float(params["a"]), "b": float(params["b"]),
         "extent": [[float(v) for v in emb.min(axis=0)], [float(v) for v in emb.max(axis=0)]],
     }
