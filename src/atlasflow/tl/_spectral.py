@@ -65,10 +65,9 @@ def _component(graph: sp.csr_matrix, dim: int, rng: np.random.Generator, tol: fl
     n = graph.shape[0]
     deg = np.asarray(graph.sum(axis=1), dtype=np.float64).ravel()
     inv_sqrt = 1.0 / np.sqrt(deg)
-    coo = graph.tocoo()
-    m = sp.csr_matrix((coo.data.astype(np.float64) * inv_sqrt[coo.row] * inv_sqrt[coo.col], (coo.row, coo.col)),
-                      shape=(n, n))
-    del coo
+    m = graph.astype(np.float64)  # scaled in place: one float64 copy of the graph and one temporary
+    m.data *= np.repeat(inv_sqrt, np.diff(m.indptr))
+    m.data *= inv_sqrt[m.indices]
     trivial = np.sqrt(deg)[:, None] / np.linalg.norm(np.sqrt(deg))
     k = min(dim + EXTRA_VECTORS, n - 2)
     if k * 5 > n:  # LOBPCG wants a block much smaller than the matrix: small components go to a dense solver
