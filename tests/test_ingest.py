@@ -488,12 +488,17 @@ def test_sample_sheet_concatenates(tmp_path):
     assert summary["samples"] == {"s1": N_CELLS, "s2": N_CELLS, "s3": N_CELLS}
 
 
-def test_sample_sheet_genes_must_match(tmp_path):
-    write_h5_v3(tmp_path / "a.h5", Source(seed=1))
-    write_h5_v3(tmp_path / "b.h5", Source(seed=2))
+def test_sample_sheet_with_other_genes_takes_the_union(tmp_path):
+    """Disjoint gene sets (an error before the union): each sample is zero in the other's genes."""
+    s1, s2 = Source(seed=1), Source(seed=2)
+    write_h5_v3(tmp_path / "a.h5", s1)
+    write_h5_v3(tmp_path / "b.h5", s2)
     sheet = _sheet(tmp_path, [["one", "a.h5", "x", 1], ["two", "b.h5", "y", 1]])
-    with pytest.raises(InputError, match=r"sample two .*genes differ from .* sample one"):
-        ingest.ingest(read_sample_sheet(sheet), tmp_path / "o.zarr")
+    out = tmp_path / "o.zarr"
+    ingest.ingest(read_sample_sheet(sheet), out)
+    a = ad.read_zarr(out)
+    assert list(a.var["gene_ids"]) == list(s1.ids[s1.gex]) + list(s2.ids[s2.gex])
+    assert (a.X != sp.block_diag([s1.expected(), s2.expected()], format="csr")).nnz == 0
 
 
 @pytest.mark.parametrize(("rows", "columns", "message"), [
@@ -611,8 +616,8 @@ def _no_gex(tmp_path, src):
 
 
 def _unknown_file(tmp_path, src):
-    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
-    return tmp_path / "data.csv"
+    (tmp_path / "data.xlsx").write_text("a,b\n1,2\n")  # a spreadsheet, not a table we read
+    return tmp_path / "data.xlsx"
 
 
 def _unknown_dir(tmp_path, src):

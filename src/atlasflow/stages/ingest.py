@@ -1,4 +1,4 @@
-"""ingest stage: raw counts (10x h5/mtx, h5ad, AnnData zarr, or a sample sheet of them) into one store.
+"""ingest stage: raw counts (10x h5/mtx, h5ad, AnnData zarr, dense tables, or a sample sheet of them) into one store.
 
 Reading a file is sequential, so this stage runs without Dask: each input is streamed as CSR row blocks
 (``atlasflow.io``), checked and cleaned block by block, and appended to X of the new store with
@@ -9,10 +9,14 @@ Reading a file is sequential, so this stage runs without Dask: each input is str
 * var names: ``--var-names`` (gene symbols by default) made unique as scanpy's ``var_names_make_unique``
   does (``CRIP1``, ``CRIP1-1``); ``gene_ids``/``gene_symbols`` (and ``feature_types``/``genome`` when
   known) are kept as columns;
-* several samples (a sample sheet): every input must have the same genes (same ids, possibly in another
-  order, which is then aligned to the first sample's order), else an error names the sample; cell names
-  are always prefixed ``<sample>_`` when there is more than one sample, and any names still duplicated
-  are made unique; ``obs["sample"]`` is a categorical and the sheet's metadata columns are copied to obs;
+* several samples (a sample sheet, formats may be mixed): the genes of the store are the union of the
+  samples' genes by gene id (the first sample's order, then each later sample's new genes); a gene a sample
+  lacks is zero in its cells (logged per sample, with counts, and in the summary's ``genes_missing``); cell
+  names are always prefixed ``<sample>_`` when there is more than one sample, and any names still
+  duplicated are made unique; ``obs["sample"]`` is a categorical and the sheet's metadata columns are
+  copied to obs;
+* dense tables (``.csv``/``.tsv``/``.txt``, gzipped or not): genes x cells or cells x genes, read from the
+  names or set by ``--table-orientation`` (``atlasflow.io.table``);
 * gene names: an empty (or missing) gene id, or an empty name in the column that becomes the var index,
   is refused naming the feature row;
 * X is float32 while every value fits it exactly (integers up to 2**24); a larger count makes the stage
@@ -31,11 +35,13 @@ from pathlib import Path
 import anndata as ad
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 import zarr
 
 from atlasflow.errors import AtlasflowError, ConfigError, InputError
 from atlasflow.io import (
     ENTRIES_PER_STEP,
+    ORIENTATIONS,
     CountCheck,
     NeedsFloat64,
     Reader,
@@ -47,17 +53,19 @@ from atlasflow.io import (
 )
 from atlasflow.store import META_KEY, atomic_dir, write_csr_blocks
 
-DESCRIPTION = "Read raw counts (10x .h5 or mtx folder, .h5ad, AnnData .zarr, or a sample sheet) into a Zarr store."
+DESCRIPTION = ("Read raw counts (10x .h5 or mtx folder, .h5ad, AnnData .zarr, dense .csv/.tsv table, or a sample "
+               "sheet of them) into a Zarr store.")
 TAKES_INPUT = False  # --input or --sample-sheet: checked in run()
 NEEDS_CLUSTER = False
 DEFAULT_CHUNK_ROWS = 10_000
 GENE_EXPRESSION = "Gene Expression"
-_SUFFIXES = (".gz", ".h5", ".h5ad", ".hdf5", ".zarr", ".mtx")
+_SUFFIXES = (".gz", ".h5", ".h5ad", ".hdf5", ".zarr", ".mtx", ".csv", ".tsv", ".txt")
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p):
-    p.add_argument("--input", help="one input: 10x .h5, 10x matrix.mtx folder, .h5ad or AnnData .zarr")
+    p.add_argument("--input", help="one input: 10x .h5, 10x matrix.mtx folder, .h5ad, AnnData .zarr, or a dense "
+                   ".csv/.tsv/.txt table (gzipped or not)")
     p.add_argument("--sample-sheet", dest="sample_sheet", default=None,
                    help="TSV with columns sample, path (+ metadata for obs); replaces --input")
     p.add_argument("--sample-name", dest="sample_name", default=None,
@@ -71,6 +79,8 @@ def add_arguments(p):
     p.add_argument("--all-features", dest="all_features", action="store_true",
                    help="keep every feature type, not only 'Gene Expression' (when the input has feature types)")
     p.add_argument("--genome", default=None, help="keep the features of this genome (multi-genome 10x files)")
+    p.add_argument("--table-orientation", dest="table_orientation", choices=list(ORIENTATIONS), default="auto",
+                   help="dense tables: genes_x_cells or cells_x_genes (auto: from the names, e.g. Ensembl ids)")
 
 
 @dataclass
@@ -81,6 +91,7 @@ class Part:
     reader: Reader
     cols: np.ndarray | None = None
     metadata: dict = field(default_factory=dict)
+    dest: np.ndarray | None = None  # the store columns of ``cols`` (None: the first ones, in order)
 
 
 def run(args, client) -> dict:
@@ -94,14 +105,14 @@ def run(args, client) -> dict:
     return ingest(
         samples, args.output, chunk_rows=chunk_rows, layer=args.layer, use_raw=bool(args.use_raw),
         var_names=args.var_names, allow_normalized=bool(args.allow_normalized),
-        all_features=bool(args.all_features), genome=args.genome,
+        all_features=bool(args.all_features), genome=args.genome, table_orientation=args.table_orientation,
     )
 
 
 def ingest(samples: list[Sample] | str | Path, output, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
            layer: str | None = None, use_raw: bool = False, var_names: str = "gene_symbols",
            allow_normalized: bool = False, all_features: bool = False, genome: str | None = None,
-           entries_per_step: int = ENTRIES_PER_STEP) -> dict:
+           table_orientation: str = "auto", entries_per_step: int = ENTRIES_PER_STEP) -> dict:
     """Stream ``samples`` (or one input path) into a new AnnData Zarr store at ``output``; returns the summary.
 
     Every input is opened and checked (formats, pieces, gene sets) before anything is written.
@@ -115,18 +126,19 @@ def ingest(samples: list[Sample] | str | Path, output, *, chunk_rows: int = DEFA
     chunk_rows = int(chunk_rows)
     parts = [
         Part(s.name, open_input(s.path, layer=layer, use_raw=use_raw, genome=genome,
-                                entries_per_step=entries_per_step), metadata=s.metadata)
+                                table_orientation=table_orientation, entries_per_step=entries_per_step),
+             metadata=s.metadata)
         for s in samples
     ]
     single_unnamed = len(parts) == 1 and parts[0].sample is None
     if single_unnamed:
         parts[0].sample = _default_sample_name(parts[0].reader)
-    var, dropped = _align_features(parts, all_features, genome, var_names)
+    var, dropped, missing = _align_features(parts, all_features, genome, var_names)
     var, renamed_vars = _name_vars(var, var_names)
     obs, renamed_cells = _build_obs(parts, keep_sample_column=single_unnamed)
     provenance = {
         "stage": "ingest", "var_names": var_names, "all_features": all_features, "genome": genome,
-        "allow_normalized": allow_normalized,
+        "allow_normalized": allow_normalized, "table_orientation": table_orientation,
         "inputs": [{"sample": p.sample, "path": str(Path(p.reader.path).resolve()), "format": p.reader.kind,
                     "element": p.reader.label} for p in parts],
     }
@@ -137,6 +149,7 @@ def ingest(samples: list[Sample] | str | Path, output, *, chunk_rows: int = DEFA
         "samples": {p.sample: int(p.reader.shape[0]) for p in parts},
         "formats": {p.sample: p.reader.kind for p in parts},
         "features_dropped": dropped,
+        "genes_missing": missing,
         "renamed": {"var_names": renamed_vars, "obs_names": renamed_cells},
         "chunk_rows": chunk_rows,
     }
@@ -212,8 +225,10 @@ def _check_names(reader: Reader, idx: np.ndarray, var_names: str) -> None:
 
 
 def _align_features(parts: list[Part], all_features: bool, genome: str | None,
-                    var_names: str = "gene_symbols") -> tuple[pd.DataFrame, dict]:
-    """Var of the store (the first sample's kept features); every part's ``cols`` in that order."""
+                    var_names: str = "gene_symbols") -> tuple[pd.DataFrame, dict, dict]:
+    """Var of the store, the union of the samples' kept genes by gene id (the first sample's order, then each
+    later sample's new genes in its own order); every part's ``cols`` and ``dest``. Also returns the features
+    dropped by type and, per sample, how many of the store's genes it lacks (zeros in its cells)."""
     ref_var, dropped = None, {}
     for part in parts:
         keep, part_dropped = _feature_mask(part.reader, all_features, genome)
@@ -223,25 +238,41 @@ def _align_features(parts: list[Part], all_features: bool, genome: str | None,
         if ref_var is None:
             ref_var, dropped = var, part_dropped
         else:
-            idx = idx[_order_like(ref_var, var, part, parts[0])]
+            order, ref_var, part.dest = _place(ref_var, var, part, parts[0])
+            idx = idx[order]
         part.cols = None if idx.size == part.reader.shape[1] and np.array_equal(idx, np.arange(idx.size)) else idx
-    return ref_var, dropped
+    missing = {}
+    for part in parts:
+        kept = part.reader.shape[1] if part.cols is None else part.cols.size
+        missing[part.sample] = int(len(ref_var) - kept)
+    if any(missing.values()):
+        ref_var = ref_var.fillna("")
+        log.info("genes: the union of the %d samples' genes, %d; missing genes are zeros (%s)", len(parts),
+                 len(ref_var), ", ".join(f"sample {s} lacks {n}" for s, n in missing.items()))
+    return ref_var, dropped, missing
 
 
-def _order_like(ref: pd.DataFrame, var: pd.DataFrame, part: Part, first: Part) -> np.ndarray:
-    """Positions in ``var`` of the reference genes (by gene id); InputError when the gene sets differ."""
+def _place(ref: pd.DataFrame, var: pd.DataFrame, part: Part, first: Part):
+    """How a later sample's kept genes go into the store: (order of its kept genes, the store's var grown by
+    its new genes, their store columns or None when they are the store's columns in order)."""
     ids, ref_ids = pd.Index(var["gene_ids"]), pd.Index(ref["gene_ids"])
     if ids.equals(ref_ids):
-        return np.arange(len(ids))
-    if ids.is_unique and ref_ids.is_unique and len(ids) == len(ref_ids) and not len(ref_ids.difference(ids)):
+        return np.arange(len(ids)), ref, None
+    if not (ids.is_unique and ref_ids.is_unique):
+        dup = ids[ids.duplicated()] if not ids.is_unique else ref_ids[ref_ids.duplicated()]
+        raise InputError(
+            f"sample {part.sample} ({part.reader.path}): its genes differ from those of sample {first.sample} "
+            f"and gene ids repeat ({dup[0]!r}), so they cannot be matched by id; give every gene a unique id"
+        )
+    if len(ids) == len(ref_ids) and not len(ref_ids.difference(ids)):
         log.info("sample %s: same genes as sample %s in another order; aligning", part.sample, first.sample)
-        return ids.get_indexer(ref_ids)
-    missing, extra = ref_ids.difference(ids), ids.difference(ref_ids)
-    raise InputError(
-        f"sample {part.sample} ({part.reader.path}): its {len(ids)} genes differ from the {len(ref_ids)} of "
-        f"sample {first.sample} ({len(missing)} missing{_eg(missing)}, {len(extra)} extra{_eg(extra)}); "
-        "all inputs must have the same genes"
-    )
+        return ids.get_indexer(ref_ids), ref, None
+    new = ~ids.isin(ref_ids)
+    grown = pd.concat([ref, var[new]], ignore_index=True)
+    log.info("sample %s: %d of its %d genes are new to the store (zeros in the samples before it), %d of the "
+             "store's %d genes it lacks%s", part.sample, int(new.sum()), len(ids),
+             int((~ref_ids.isin(ids)).sum()), len(ref_ids), _eg(ref_ids[~ref_ids.isin(ids)]))
+    return np.arange(len(ids)), grown, pd.Index(grown["gene_ids"]).get_indexer(ids)
 
 
 def _eg(index: pd.Index) -> str:
@@ -315,17 +346,30 @@ def _tidy_obs(obs: pd.DataFrame) -> pd.DataFrame:
 # matrix
 
 
-def _blocks(parts: list[Part], chunk_rows: int, allow_normalized: bool, dtype=np.float32):
-    """Clean, checked CSR blocks (``dtype``) of every part in turn."""
+def _blocks(parts: list[Part], chunk_rows: int, allow_normalized: bool, n_genes: int, dtype=np.float32):
+    """Clean, checked CSR blocks (``dtype``, ``n_genes`` store columns) of every part in turn."""
     for part in parts:
         reader, check, row0 = part.reader, CountCheck(part.reader, allow_normalized), 0
         for raw in _reading(reader, reader.raw_blocks(chunk_rows)):
-            block = clean_block(raw, reader.shape[1], part.cols, check, row0, dtype)
+            block = _store_columns(clean_block(raw, reader.shape[1], part.cols, check, row0, dtype), part.dest,
+                                   n_genes)
             row0 += block.shape[0]
             yield block
         if row0 != reader.shape[0]:
             raise InputError(f"{reader.label}: read {row0} cells, expected {reader.shape[0]}")
         log.info("ingest: read %s (%s, sample %s): %d cells", reader.label, reader.kind, part.sample, row0)
+
+
+def _store_columns(block: sp.csr_matrix, dest: np.ndarray | None, n_genes: int) -> sp.csr_matrix:
+    """A sample's block with its genes at their store columns (the store's other genes are zeros)."""
+    if dest is None and block.shape[1] == n_genes:
+        return block
+    indices = block.indices if dest is None else dest[block.indices].astype(block.indices.dtype)
+    out = sp.csr_matrix((block.data, indices, block.indptr), shape=(block.shape[0], n_genes))
+    if dest is not None:
+        out.has_sorted_indices = False
+        out.sort_indices()
+    return out
 
 
 def _reading(reader: Reader, blocks):
@@ -358,7 +402,7 @@ def _write_x(tmp: Path, parts: list[Part], shape, chunk_rows: int, allow_normali
     dtype, restarted = np.dtype(np.float32), False
     while True:
         try:
-            nnz = write_csr_blocks(tmp, "X", _blocks(parts, chunk_rows, allow_normalized, dtype), shape)
+            nnz = write_csr_blocks(tmp, "X", _blocks(parts, chunk_rows, allow_normalized, shape[1], dtype), shape)
             return nnz, dtype.name
         except RestartStream as exc:
             if restarted:
