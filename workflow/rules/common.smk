@@ -401,7 +401,7 @@ def ingest_inputs(wildcards):
 def gene_list_files(wildcards):
     """QC gene lists given as files (tracked as inputs so that editing one re-runs qc)."""
     sets = dataset_config(wildcards.dataset, "qc")["gene_sets"]
-    return [resolve_resource(s["genes_file"]) for s in sets.values() if s.get("genes_file")]
+    return [resolve_resource(s[k]) for s in sets.values() for k in ("genes_file", "ids_file") if s.get(k)]
 
 
 def per_sample_input(wildcards):
@@ -420,7 +420,7 @@ def _value_of(stage, key):
     def value(wildcards):
         v = dataset_config(wildcards.dataset, stage)[key]
         if stage == "qc" and key == "gene_sets":
-            v = {name: {**s, **({"genes_file": resolve_resource(s["genes_file"])} if s.get("genes_file") else {})}
+            v = {name: {**s, **{k: resolve_resource(s[k]) for k in ("genes_file", "ids_file") if s.get(k)}}
                  for name, s in v.items()}
         return v
 

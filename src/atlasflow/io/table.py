@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import gzip
 import logging
-import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +26,11 @@ import pandas as pd
 import scipy.sparse as sp
 
 from atlasflow.errors import InputError
+from atlasflow.gene_ids import id_fraction
 from atlasflow.io._blocks import DENSE_BYTES, ENTRIES_PER_STEP, Reader, RowBuckets, make_var
 
 TABLE_SUFFIXES = (".csv", ".tsv", ".txt")
 ORIENTATIONS = ("auto", "genes_x_cells", "cells_x_genes")
-#: Names that mark the gene axis: Ensembl gene ids (any species, optional version), ERCC spike-ins.
-GENE_ID = re.compile(r"^(ENS[A-Z]*G\d{6,}(\.\d+)?|ERCC-\d{5})$")
 log = logging.getLogger(__name__)
 
 #: Gene symbols found in any human or mouse expression table (checked case-insensitively).
@@ -59,10 +57,7 @@ def _separator(path: Path) -> str:
 def _gene_score(names) -> float:
     """Fraction of names that are gene ids, plus one if a ubiquitous gene symbol is among them."""
     names = pd.Index(names).astype(str)
-    if not len(names):
-        return 0.0
-    ids = float(names.str.match(GENE_ID.pattern).mean())
-    return ids + (1.0 if UBIQUITOUS & set(names.str.lower()) else 0.0)
+    return id_fraction(names) + (1.0 if UBIQUITOUS & set(names.str.lower()) else 0.0)
 
 
 class DenseTableReader(Reader):

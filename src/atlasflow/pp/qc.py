@@ -11,7 +11,7 @@ import anndata as ad
 import numpy as np
 import pandas as pd
 
-from atlasflow import kernels, progress
+from atlasflow import gene_ids, kernels, progress
 from atlasflow.backend import xp_of
 from atlasflow.errors import ConfigError
 
@@ -22,34 +22,68 @@ def gene_set_masks(var: pd.DataFrame, sets: Mapping[str, Mapping]) -> dict[str, 
     """Boolean gene masks for QC gene sets, each given by ``prefix`` (str or list), ``regex`` or ``genes_file``.
 
     Symbols are taken from ``var["gene_symbols"]`` when present (ingest keeps the original symbols there),
-    else from the var names. A set that matches no gene gives an all-False mask and a warning.
+    else from the var names. When those are gene ids rather than symbols (Ensembl ids, as plate data and
+    some references give only), a set's ``ids_file`` replaces its symbol rules (a prefix such as "MT-"
+    cannot match an id). ERCC spike-ins, when present, form a set ``ercc`` unless one is configured. A set
+    that matches no gene gives an all-False mask and a warning.
     """
     symbols = pd.Index(var["gene_symbols"] if "gene_symbols" in var else var.index).astype(str)
+    ids_only = gene_ids.id_fraction(symbols) >= 0.9
     masks = {}
     for name, spec in sets.items():
         spec = dict(spec or {})
-        mask = np.zeros(len(symbols), dtype=bool)
-        if "prefix" in spec:
-            prefixes = [spec["prefix"]] if isinstance(spec["prefix"], str) else list(spec["prefix"])
-            mask |= np.asarray(symbols.str.startswith(tuple(prefixes)))
-        if "regex" in spec:
-            try:
-                mask |= np.asarray(symbols.str.contains(spec["regex"], regex=True))
-            except re.error as exc:
-                raise ConfigError(f"qc.gene_sets.{name}.regex: invalid regular expression ({exc})") from exc
-        if spec.get("genes_file"):
-            path = Path(spec["genes_file"])
-            if not path.exists():
-                raise ConfigError(f"qc.gene_sets.{name}.genes_file: {path} does not exist")
-            lines = (line.split("#", 1)[0] for line in path.read_text().splitlines())
-            wanted = {word for line in lines for word in line.split()}
-            mask |= np.asarray(symbols.isin(wanted)) | np.asarray(var.index.isin(wanted))
-            if "gene_ids" in var:
-                mask |= np.asarray(var["gene_ids"].astype(str).isin(wanted))
+        if ids_only and spec.get("ids_file"):
+            mask = _list_mask(var, symbols, name, spec["ids_file"], "ids_file")
+            log.info("QC gene set %r: var holds gene ids, not symbols: %d genes by id from %s", name, mask.sum(),
+                     spec["ids_file"])
+        else:
+            mask = _rule_mask(var, symbols, name, spec)
         if not mask.any():
-            log.warning("QC gene set %r matches no gene: pct_counts_%s will be 0", name, name)
+            hint = ""
+            if ids_only and gene_ids.ensembl_species(symbols) not in (None, ""):
+                hint = "; var holds non-human Ensembl ids: give the set an ids_file of that species"
+            elif ids_only and not spec.get("ids_file"):
+                hint = "; var holds gene ids, not symbols: give the set an ids_file"
+            log.warning("QC gene set %r matches no gene: pct_counts_%s will be 0%s", name, name, hint)
         masks[name] = mask
+    if "ercc" not in masks:
+        ercc = np.asarray(gene_ids.is_ercc(symbols)) | np.asarray(gene_ids.is_ercc(var.index))
+        if "gene_ids" in var:
+            ercc |= np.asarray(gene_ids.is_ercc(var["gene_ids"]))
+        if ercc.any():
+            log.info("QC gene set 'ercc': %d ERCC spike-ins (pct_counts_ercc)", ercc.sum())
+            masks["ercc"] = ercc
     return masks
+
+
+def _rule_mask(var: pd.DataFrame, symbols: pd.Index, name: str, spec: dict) -> np.ndarray:
+    """Genes matching a set's prefix, regex or genes_file rules (their union)."""
+    mask = np.zeros(len(symbols), dtype=bool)
+    if "prefix" in spec:
+        prefixes = [spec["prefix"]] if isinstance(spec["prefix"], str) else list(spec["prefix"])
+        mask |= np.asarray(symbols.str.startswith(tuple(prefixes)))
+    if "regex" in spec:
+        try:
+            mask |= np.asarray(symbols.str.contains(spec["regex"], regex=True))
+        except re.error as exc:
+            raise ConfigError(f"qc.gene_sets.{name}.regex: invalid regular expression ({exc})") from exc
+    if spec.get("genes_file"):
+        mask |= _list_mask(var, symbols, name, spec["genes_file"], "genes_file")
+    return mask
+
+
+def _list_mask(var: pd.DataFrame, symbols: pd.Index, name: str, file, key: str) -> np.ndarray:
+    """Genes named in a list file (any whitespace-separated word of a line: symbol or id), by symbol, var
+    name or gene id."""
+    path = Path(file)
+    if not path.exists():
+        raise ConfigError(f"qc.gene_sets.{name}.{key}: {path} does not exist")
+    lines = (line.split("#", 1)[0] for line in path.read_text().splitlines())
+    wanted = {word for line in lines for word in line.split()}
+    mask = np.asarray(symbols.isin(wanted)) | np.asarray(var.index.isin(wanted))
+    if "gene_ids" in var:
+        mask |= np.asarray(var["gene_ids"].astype(str).isin(wanted))
+    return mask
 
 
 def calculate_qc_metrics(
