@@ -110,3 +110,43 @@ def test_qc_stage_on_a_plate_named_by_id_equals_scanpy(tmp_path, capsys):
         np.testing.assert_allclose(ours.obs[col].to_numpy(float), ref.obs[col].to_numpy(float), rtol=1e-6,
                                    err_msg=col)
     assert (ours.obs["pct_counts_mt"] > 0).all()  # every well has mitochondrial reads: found by id
+
+
+@pytest.mark.skipif(not MIXOLOGY.is_dir(), reason="needs ../shared/data/mixology_5cl beside the repository")
+def test_spike_ins_stay_out_of_totals_and_hvg_and_in_the_counts(tmp_path):
+    """On a real plate with 34 ERCC spike-ins: normalize leaves them out of the cell totals (oracle: the totals
+    over the other genes), hvg selects among the other genes exactly as scanpy on that subset, and the
+    counts keep every gene."""
+    import json
+
+    sc = pytest.importorskip("scanpy")
+    from atlasflow.stages import hvg as hvg_stage
+    from atlasflow.stages import log1p as log1p_stage
+    from atlasflow.stages import normalize as normalize_stage
+
+    def run(stage, *argv):
+        assert stage_main(stage, argv=[str(a) for a in argv]) == 0
+
+    raw = tmp_path / "ingest.zarr"
+    ingest.ingest(MIXOLOGY / "sc_celseq2_5cl_p1.count.csv.gz", raw)
+    run(qc_stage, "--input", raw, "--output", tmp_path / "qc.zarr", "--gene-sets", json.dumps(shipped_gene_sets()))
+    run(normalize_stage, "--input", tmp_path / "qc.zarr", "--output", tmp_path / "norm.zarr", "--target-sum", 10000)
+    run(log1p_stage, "--input", tmp_path / "norm.zarr", "--output", tmp_path / "log1p.zarr")
+    run(hvg_stage, "--input", tmp_path / "log1p.zarr", "--output", tmp_path / "hvg.zarr", "--n-top-genes", 500)
+    counts = ad.read_zarr(tmp_path / "qc.zarr")
+    ercc = counts.var["ercc"].to_numpy(bool)
+    assert ercc.sum() == 34 and counts.shape[1] == 15564  # the counts keep every gene, spike-ins included
+    x = counts.X.toarray().astype(np.float64)
+    totals = x[:, ~ercc].sum(axis=1, keepdims=True)
+    assert (x[:, ercc].sum(axis=1) > 0).all()  # the spike-ins would have moved every total
+    norm = ad.read_zarr(tmp_path / "norm.zarr")
+    np.testing.assert_allclose(norm.X.toarray(), x / totals * 1e4, rtol=2e-6)
+    assert json.loads((tmp_path / "norm.json").read_text())["genes_excluded_from_totals"] == 34
+    ours = ad.read_zarr(tmp_path / "hvg.zarr").var
+    ref = ad.read_zarr(tmp_path / "log1p.zarr")[:, ~ercc].copy()
+    sc.pp.highly_variable_genes(ref, n_top_genes=500, flavor="seurat")
+    assert not ours["highly_variable"][ercc].any() and ours["means"][ercc].isna().all()
+    np.testing.assert_array_equal(ours["highly_variable"][~ercc].to_numpy(), ref.var["highly_variable"].to_numpy())
+    np.testing.assert_allclose(ours["dispersions_norm"][~ercc].to_numpy(float),
+                               ref.var["dispersions_norm"].to_numpy(float), rtol=1e-5)
+    assert int(ours["highly_variable"].sum()) == 500

@@ -27,6 +27,7 @@ def normalize_total(
     target_sum: float | None = None,
     exclude_highly_expressed: bool = False,
     max_fraction: float = 0.05,
+    exclude_genes=None,
     key_added: str | None = None,
     inplace: bool = True,
 ):
@@ -35,21 +36,23 @@ def normalize_total(
     As scanpy for CSR input: per-cell totals are float64 sums stored as float32, the median runs over all
     cells, rows with zero total are left unchanged. With ``exclude_highly_expressed``, genes holding more
     than ``max_fraction`` of some cell's counts are left out of the totals (one extra pass over X).
-    X stays lazy; only the per-cell totals are computed.
+    ``exclude_genes`` (a boolean mask over genes, e.g. ERCC spike-ins) are left out of the totals as well,
+    and scaled with their cell like every other gene. X stays lazy; only the per-cell totals are computed.
     """
     X = adata.X
     if not isinstance(X, da.Array):
         raise InputError("normalize_total: X must be a Dask array (open the store with atlasflow.store.open_store)")
-    (counts,) = progress.compute(_cell_counts(X), label="normalize_total: cell totals")
+    keep = None if exclude_genes is None or not np.any(exclude_genes) else ~np.asarray(exclude_genes, dtype=bool)
+    (counts,) = progress.compute(_cell_counts(X, keep), label="normalize_total: cell totals")
     counts = counts.astype(np.float32)
-    gene_subset = None
+    gene_subset = keep
     if exclude_highly_expressed:
         thr = da.from_array(counts.astype(np.float64) * max_fraction, chunks=(X.chunks[0],))
         hits = X.map_blocks(
             lambda b, t: kernels.col_count_above(b, t).reshape(1, -1), thr[:, None],
             chunks=((1,) * X.numblocks[0], (X.shape[1],)), dtype=np.float64, meta=np.empty((0, 0)),
         ).sum(axis=0).compute()
-        gene_subset = hits == 0
+        gene_subset = (hits == 0) if keep is None else (hits == 0) & keep
         log.info("normalize_total: excluding %d highly expressed genes", int((~gene_subset).sum()))
         counts = _cell_counts(X, gene_subset).compute().astype(np.float32)
     if target_sum is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import numpy as np
 import zarr
 
 from atlasflow.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def json_arg(text):
@@ -185,3 +188,15 @@ def shape_summary(before, after) -> dict:
         "cells_in": int(before.n_obs), "genes_in": int(before.n_vars),
         "cells_out": int(after.n_obs), "genes_out": int(after.n_vars),
     }
+
+
+def excluded_genes(var, columns, what: str) -> np.ndarray:
+    """Genes flagged in any of the boolean var ``columns`` present (logged with ``what``); absent ones are skipped."""
+    mask = np.zeros(len(var), dtype=bool)
+    for col in columns or ():
+        if col in var:
+            mask |= var[col].fillna(False).to_numpy(dtype=bool)
+    if mask.any():
+        log.info("%s: %d genes of var[%s]", what, int(mask.sum()), ", ".join(c for c in columns if c in var))
+    return mask
+

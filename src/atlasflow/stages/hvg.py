@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import anndata as ad
+import numpy as np
+import pandas as pd
+
 from atlasflow import pp
 from atlasflow.pp.hvg import COUNT_FLAVORS
-from atlasflow.stages._common import (Number, check_order, optional_positive_int, positive_float, positive_int,
-                                      shape_summary)
+from atlasflow.stages._common import (Number, check_order, excluded_genes, optional_positive_int, positive_float,
+                                      positive_int, shape_summary)
 from atlasflow.store import open_store, write_store
 
 DESCRIPTION = ("Select highly variable genes (flavors seurat, cell_ranger, seurat_v3, seurat_v3_paper, "
@@ -37,6 +41,9 @@ def add_arguments(p):
                    help="mean-expression bins (seurat)")
     p.add_argument("--batch-key", dest="batch_key", default=None, help="obs column: select per batch and merge")
     p.add_argument("--layer", default=None, help="use this layer instead of X")
+    p.add_argument("--exclude-var", dest="exclude_var", nargs="*", default=["ercc"],
+                   help="boolean var columns (from qc) whose genes are never selected: HVGs are chosen among the "
+                        "other genes, as scanpy on that subset; absent columns are skipped (default: ercc)")
     p.add_argument("--no-check-values", dest="check_values", action="store_false",
                    help="do not refuse non-count data for the count-based flavors")
 
@@ -48,12 +55,44 @@ def run(args, client) -> dict:
     counts = None
     if args.counts and args.flavor in COUNT_FLAVORS:
         counts = open_store(args.counts, chunk_rows=args.chunk_rows)
+    excluded = excluded_genes(adata.var, args.exclude_var, "hvg: never selected, left out of the selection")
+    target, target_counts = adata, counts
+    if excluded.any():
+        target = _genes(adata, ~excluded, args.layer)
+        target_counts = None if counts is None else _genes(counts, ~excluded, None)
     pp.highly_variable_genes(
-        adata, flavor=args.flavor, n_top_genes=args.n_top_genes, min_mean=args.min_mean, max_mean=args.max_mean,
+        target, flavor=args.flavor, n_top_genes=args.n_top_genes, min_mean=args.min_mean, max_mean=args.max_mean,
         min_disp=args.min_disp, max_disp=float("inf") if args.max_disp is None else args.max_disp,
         span=args.span, n_bins=args.n_bins, batch_key=args.batch_key, layer=args.layer,
-        check_values=args.check_values, counts=counts,
+        check_values=args.check_values, counts=target_counts,
     )
+    if target is not adata:
+        _annotate_back(adata, target, ~excluded)
     write_store(adata, args.output, chunk_rows=args.chunk_rows, provenance={"stage": "hvg", "flavor": args.flavor})
     return {**shape_summary(adata, adata), "flavor": args.flavor,
             "n_highly_variable": int(adata.var["highly_variable"].sum())}
+
+
+def _genes(adata: ad.AnnData, keep: np.ndarray, layer: str | None) -> ad.AnnData:
+    """The cells of ``adata`` on the kept genes only (X, or ``layer``, column-subset lazily)."""
+    idx = np.flatnonzero(keep)
+    layers = {layer: adata.layers[layer][:, idx]} if layer else {}
+    return ad.AnnData(X=adata.X[:, idx], obs=adata.obs, var=adata.var.iloc[idx].copy(), layers=layers,
+                      uns=dict(adata.uns))
+
+
+def _annotate_back(adata: ad.AnnData, target: ad.AnnData, keep: np.ndarray) -> None:
+    """The selection's var columns on every gene: excluded genes are not highly variable, their statistics NaN."""
+    for col in target.var.columns.difference(adata.var.columns, sort=False):
+        values = target.var[col]
+        if values.dtype == bool or np.issubdtype(values.dtype, np.integer):
+            full = np.zeros(len(keep), dtype=values.dtype)  # not highly variable; in no batch's selection
+            full[keep] = values.to_numpy()
+        elif np.issubdtype(values.dtype, np.floating):
+            full = np.full(len(keep), np.nan, dtype=values.dtype)
+            full[keep] = values.to_numpy()
+        else:
+            full = pd.Series(values.to_numpy(), index=np.flatnonzero(keep)).reindex(range(len(keep))).to_numpy()
+        adata.var[col] = full
+    adata.uns.update({k: v for k, v in target.uns.items() if k not in adata.uns})
+
