@@ -730,3 +730,50 @@ def test_kill_ingest_while_it_writes(built, dask_address, tmp_path):
     stages = {r: o for r, o in stage_outputs(tmp_path, "results/file/ingest.zarr").items() if r == "ingest"}
     assert list(stages) == ["ingest"], stages
     check_kill_anywhere(tmp_path, "ingest", stages["ingest"], np.random.default_rng(KILL_SEED), client)
+
+
+MIXOLOGY = ROOT.parent / "shared" / "data" / "mixology_5cl"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MIXOLOGY.is_dir(), reason="needs ../shared/data/mixology_5cl beside the repository")
+def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
+    """The mixology plates (gzipped genes x cells CSV, genes by Ensembl id, ERCC spike-ins, different gene
+    sets) from one sample sheet through the whole workflow with the shipped defaults except plate-sized
+    thresholds: mitochondrial genes found by id, spike-ins out of the totals and the HVGs, the union of
+    genes, and Leiden recovering the five cell lines (genotype truth) on the singlets."""
+    import anndata as ad
+    from sklearn.metrics import adjusted_rand_score
+
+    plates = [f"sc_celseq2_5cl_p{i}" for i in (1, 2, 3)]
+    sheet = tmp_path / "plates.tsv"
+    sheet.write_text("sample\tpath\tprotocol\n" + "".join(f"p{i}\t{MIXOLOGY / p}.count.csv.gz\tCEL-seq2\n"
+                                                          for i, p in enumerate(plates, 1)))
+    write_config(tmp_path, {
+        "datasets": {"mix": {"sample_sheet": str(sheet)}},
+        "resources": {"default": {"threads": 2, "mem_mb": 3000, "runtime": 20}},
+        # deep plate data: no upper gene limit; every well has ~10% mitochondrial reads
+        "filter": {"max_genes": None, "max_pct_mt": None},
+        "leiden": {"resolution": 0.5},
+    })
+    out = snakemake(tmp_path, timeout=900).stdout
+    assert "Traceback" not in out
+    results = tmp_path / "results" / "mix"
+    ingest = json.loads((results / "ingest.json").read_text())
+    assert ingest["genes_out"] == 16074 and ingest["cells_out"] == 909
+    assert sum(ingest["genes_missing"].values()) > 0
+    qc = json.loads((results / "qc.json").read_text())
+    assert qc["gene_set_sizes"]["mt"] == 13 and qc["gene_set_sizes"]["ercc"] > 30
+    assert json.loads((results / "normalize.json").read_text())["genes_excluded_from_totals"] > 30
+    hvg = ad.read_zarr(results / "hvg.zarr")
+    assert not hvg.var.loc[hvg.var["ercc"].astype(bool), "highly_variable"].any()
+    final = ad.read_zarr(results / "final.zarr")
+    assert (final.obs["pct_counts_mt"] > 0).all()
+    assert list(final.obs["sample"].cat.categories) == ["p1", "p2", "p3"]
+    # every plate names its wells p1_A1 ...: the sample prefix ingest adds keeps them apart
+    truth = pd.concat([pd.read_csv(MIXOLOGY / f"{p}.metadata.csv.gz", index_col=0).rename(index=f"p{i}_{{}}".format)
+                       for i, p in enumerate(plates, 1)])
+    truth = truth.loc[final.obs_names]
+    singlets = (truth["demuxlet_cls"] == "SNG").to_numpy()
+    ari = adjusted_rand_score(truth["cell_line_demuxlet"][singlets], final.obs["leiden"][singlets])
+    assert ari >= 0.9, ari  # scanpy on the same plates (README of the data): 1.00 on singlets
