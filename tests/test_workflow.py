@@ -418,6 +418,18 @@ def test_changed_parameter_reruns_its_stage_and_downstream(built):
 
 
 @pytest.mark.slow
+def test_harmony_enabled_runs_between_pca_and_neighbors(built):
+    """harmony.enabled adds the harmony stage after pca; neighbors then reads its store and embedding, so the
+    graph and everything after it re-run, and nothing before."""
+    write_config(built, {"harmony": {"enabled": True, "key": ["cell_type"]}}, "harmony.yaml")
+    jobs = planned_jobs(built, configfiles=("config.yaml", "harmony.yaml"))
+    assert {"harmony", "neighbors", "leiden", "umap", "final"} <= set(jobs), jobs
+    assert not {"simulate", "qc", "filter", "pca"} & set(jobs), jobs
+    dry = snakemake(built, "--dry-run", configfiles=("config.yaml", "harmony.yaml")).stdout
+    assert re.search(r"rule neighbors:\n\s+input: results/tiny/harmony.zarr", dry), dry
+
+
+@pytest.mark.slow
 def test_execution_settings_do_not_rerun(built):
     """Where a stage computes (cluster, workers, memory, chunking, threads) does not re-run finished stages."""
     write_config(built, {"dask": {"address": None, "n_workers": 1, "memory_limit": "1GB"}, "chunk_rows": 50,
@@ -741,7 +753,8 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
     """The mixology plates (gzipped genes x cells CSV, genes by Ensembl id, ERCC spike-ins, different gene
     sets) from one sample sheet through the whole workflow with the shipped defaults except plate-sized
     thresholds: mitochondrial genes found by id, spike-ins out of the totals and the HVGs, the union of
-    genes, and Leiden recovering the five cell lines (genotype truth) on the singlets."""
+    genes, Harmony over the plates before the graph, and Leiden recovering the five cell lines (genotype truth)
+    on the singlets."""
     import anndata as ad
     from sklearn.metrics import adjusted_rand_score
 
@@ -755,6 +768,7 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
         # deep plate data: no upper gene limit; every well has ~10% mitochondrial reads
         "filter": {"max_genes": None, "max_pct_mt": None},
         "leiden": {"resolution": 0.5},
+        "harmony": {"enabled": True, "key": ["sample"]},  # the plates are batches
     })
     out = snakemake(tmp_path, timeout=900).stdout
     assert "Traceback" not in out
@@ -767,7 +781,10 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
     assert json.loads((results / "normalize.json").read_text())["genes_excluded_from_totals"] > 30
     hvg = ad.read_zarr(results / "hvg.zarr")
     assert not hvg.var.loc[hvg.var["ercc"].astype(bool), "highly_variable"].any()
+    assert json.loads((results / "harmony.json").read_text())["batches"] == {"sample": 3}
     final = ad.read_zarr(results / "final.zarr")
+    assert {"X_pca", "X_pca_harmony", "X_umap"} <= set(final.obsm)  # both embeddings kept
+    assert final.uns["neighbors"]["params"]["use_rep"] == "X_pca_harmony"  # the graph is on the corrected one
     assert (final.obs["pct_counts_mt"] > 0).all()
     assert list(final.obs["sample"].cat.categories) == ["p1", "p2", "p3"]
     # every plate names its wells p1_A1 ...: the sample prefix ingest adds keeps them apart

@@ -419,6 +419,8 @@ def per_sample_input(wildcards):
 def _value_of(stage, key):
     def value(wildcards):
         v = dataset_config(wildcards.dataset, stage)[key]
+        if stage == "neighbors" and key == "use_rep" and v is None and harmony_enabled(wildcards.dataset):
+            v = dataset_config(wildcards.dataset, "harmony")["adjusted_basis"]  # the corrected embedding
         if stage == "qc" and key == "gene_sets":
             v = {name: {**s, **{k: resolve_resource(s[k]) for k in ("genes_file", "ids_file") if s.get(k)}}
                  for name, s in v.items()}
@@ -664,6 +666,15 @@ def hvg_inputs(wildcards):
     if flavor in ("seurat_v3", "seurat_v3_paper", "poisson_gene_selection"):
         inputs["counts"] = store("filter").format(**wildcards)
     return inputs
+
+
+def harmony_enabled(dataset):
+    return bool(dataset_config(dataset, "harmony")["enabled"])
+
+
+def neighbors_input(wildcards):
+    """neighbors reads harmony's store (X_pca and X_pca_harmony) when harmony.enabled, else pca's."""
+    return store("harmony" if harmony_enabled(wildcards.dataset) else "pca").format(**wildcards)
 
 
 def scale_input(wildcards):

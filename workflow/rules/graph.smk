@@ -1,12 +1,36 @@
-# Graph: neighbors -> leiden and neighbors -> umap on obsm X_pca (in memory; X is linked, never read), louvain optional.
+# Graph: [harmony ->] neighbors -> leiden and neighbors -> umap on obsm X_pca (or X_pca_harmony with harmony.enabled;
+# in memory; X is linked, never read), louvain optional.
 
 
 PIPELINE.extend(["neighbors", "leiden", "umap"])
 
 
-rule neighbors:
+rule harmony:
     input:
         input=store("pca"),
+    output:
+        output=directory(store("harmony")),
+        summary=summary_json("harmony"),
+    params:
+        **stage_params("harmony", exclude=["enabled"]),
+    log:
+        log_file("harmony"),
+    benchmark:
+        benchmark_file("harmony")
+    threads: rule_threads("harmony")
+    resources:
+        mem_mb=rule_mem_mb("harmony"),
+        gpu=rule_gpus("harmony"),
+        runtime=rule_runtime("harmony"),
+    conda:
+        conda_env("harmony")
+    script:
+        "../../scripts/harmony.py"
+
+
+rule neighbors:
+    input:
+        input=neighbors_input,
     output:
         output=directory(store("neighbors")),
         summary=summary_json("neighbors"),
