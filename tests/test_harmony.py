@@ -55,7 +55,7 @@ def run(*argv) -> int:
 
 def test_stage_equals_harmonypy_and_mixes_the_plates(pca_store, tmp_path):
     out = tmp_path / "harmony.zarr"
-    assert run("--input", pca_store, "--output", out, "--key", "sample") == 0
+    assert run("--input", pca_store, "--output", out, "--key", "sample", "--label-key", "cell_line") == 0
     ours = ad.read_zarr(out)
     before = ad.read_zarr(pca_store)
     np.testing.assert_array_equal(ours.obsm["X_pca"], before.obsm["X_pca"])  # kept, not replaced
@@ -69,6 +69,13 @@ def test_stage_equals_harmonypy_and_mixes_the_plates(pca_store, tmp_path):
     clisi = {k: float(np.median(v[:, 1])) for k, v in lisi.items()}
     assert ilisi["after"] > ilisi["before"] + 0.2, ilisi
     assert clisi["after"] < 1.3, clisi
+    # the stage's own report of the same medians (all cells here: fewer than its 20,000-cell sample)
+    import json
+
+    recorded = json.loads(out.with_suffix(".json").read_text())["lisi_median"]
+    assert recorded["X_pca"]["sample"] == pytest.approx(ilisi["before"], abs=1e-4)
+    assert recorded["X_pca_harmony"]["sample"] == pytest.approx(ilisi["after"], abs=1e-4)
+    assert recorded["X_pca_harmony"]["cell_line"] == pytest.approx(clisi["after"], abs=1e-4)
 
 
 def test_single_batch_is_a_logged_copy(pca_store, tmp_path, capsys):
@@ -83,6 +90,7 @@ def test_single_batch_is_a_logged_copy(pca_store, tmp_path, capsys):
     (["--key", "plate"], r"harmony.key: plate not in obs"),
     (["--key", "sample", "--basis", "X_umap"], r"obsm\['X_umap'\] missing"),
     (["--key", "sample", "--max-iter-harmony", "0"], "max_iter_harmony"),
+    (["--key", "sample", "--label-key", "celltype"], r"harmony.label_key: celltype not in obs"),
 ])
 def test_bad_input_is_one_line_and_no_store(pca_store, tmp_path, capsys, argv, message):
     import re

@@ -18,7 +18,7 @@ __all__ = [
 
 # feature selection, regression, scaling, scoring and PCA (out of core, scanpy's names)
 from atlasflow.pp._pca import pca  # noqa: E402
-from atlasflow.pp.harmony import harmony_integrate  # noqa: E402
+from atlasflow.pp.harmony import harmony_integrate, lisi_medians  # noqa: E402
 from atlasflow.pp.hvg import highly_variable_genes, subset_genes  # noqa: E402
 from atlasflow.pp.regress import regress_out  # noqa: E402
 from atlasflow.pp.scale import scale  # noqa: E402
@@ -27,6 +27,7 @@ from atlasflow.pp.score import score_genes, score_genes_cell_cycle  # noqa: E402
 __all__ += [
     "harmony_integrate",
     "highly_variable_genes",
+    "lisi_medians",
     "pca",
     "regress_out",
     "scale",
