@@ -368,7 +368,12 @@ def test_pca_keeps_a_small_x_in_memory_between_its_passes(tutorial, tmp_path, mo
     path = store_of(tutorial["scaled"], tmp_path / "scaled.zarr", 700)
     n_blocks = -(-tutorial["scaled"].n_obs // 700)
     runs = {}
-    with (LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0",
+    # The in-process worker measures the whole pytest process: late in the suite that alone passes 80% of its
+    # 2 GB and the worker would pause for good (a hang). Its limit is what cache.SHARE is a share of; it must
+    # not pause, spill or restart here.
+    no_pausing = {f"distributed.worker.memory.{k}": False for k in ("target", "spill", "pause", "terminate")}
+    with (dask.config.set(no_pausing),
+          LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0",
                        memory_limit="2GB") as cluster, Client(cluster)):
         for share in (0.1, 0.0):
             monkeypatch.setattr(cache, "SHARE", share)
