@@ -419,8 +419,6 @@ def per_sample_input(wildcards):
 def _value_of(stage, key):
     def value(wildcards):
         v = dataset_config(wildcards.dataset, stage)[key]
-        if stage == "neighbors" and key == "use_rep" and v is None and harmony_enabled(wildcards.dataset):
-            v = dataset_config(wildcards.dataset, "harmony")["adjusted_basis"]  # the corrected embedding
         if stage == "qc" and key == "gene_sets":
             v = {name: {**s, **{k: resolve_resource(s[k]) for k in ("genes_file", "ids_file") if s.get(k)}}
                  for name, s in v.items()}
@@ -675,6 +673,14 @@ def harmony_enabled(dataset):
 def neighbors_input(wildcards):
     """neighbors reads harmony's store (X_pca and X_pca_harmony) when harmony.enabled, else pca's."""
     return store("harmony" if harmony_enabled(wildcards.dataset) else "pca").format(**wildcards)
+
+
+def neighbors_use_rep(wildcards):
+    """neighbors.use_rep; unset with harmony.enabled: harmony's corrected embedding (else X_pca)."""
+    use_rep = dataset_config(wildcards.dataset, "neighbors")["use_rep"]
+    if use_rep is None and harmony_enabled(wildcards.dataset):
+        return dataset_config(wildcards.dataset, "harmony")["adjusted_basis"]
+    return use_rep
 
 
 def scale_input(wildcards):

@@ -35,7 +35,8 @@ rule neighbors:
         output=directory(store("neighbors")),
         summary=summary_json("neighbors"),
     params:
-        **stage_params("neighbors"),
+        **stage_params("neighbors", exclude=["use_rep"]),
+        use_rep=neighbors_use_rep,
     log:
         log_file("neighbors"),
     benchmark:

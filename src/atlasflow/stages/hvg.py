@@ -83,16 +83,12 @@ def _genes(adata: ad.AnnData, keep: np.ndarray, layer: str | None) -> ad.AnnData
 
 def _annotate_back(adata: ad.AnnData, target: ad.AnnData, keep: np.ndarray) -> None:
     """The selection's var columns on every gene: excluded genes are not highly variable, their statistics NaN."""
+    kept, types = np.flatnonzero(keep), pd.api.types
     for col in target.var.columns.difference(adata.var.columns, sort=False):
         values = target.var[col]
-        if values.dtype == bool or np.issubdtype(values.dtype, np.integer):
-            full = np.zeros(len(keep), dtype=values.dtype)  # not highly variable; in no batch's selection
-            full[keep] = values.to_numpy()
-        elif np.issubdtype(values.dtype, np.floating):
-            full = np.full(len(keep), np.nan, dtype=values.dtype)
-            full[keep] = values.to_numpy()
-        else:
-            full = pd.Series(values.to_numpy(), index=np.flatnonzero(keep)).reindex(range(len(keep))).to_numpy()
-        adata.var[col] = full
+        # not highly variable, in no batch's selection (bool, int); statistics NaN (float, and anything else)
+        fill = False if types.is_bool_dtype(values.dtype) else 0 if types.is_integer_dtype(values.dtype) else None
+        full = pd.Series(values.to_numpy(), index=kept).reindex(range(len(keep)), fill_value=fill)
+        adata.var[col] = full.to_numpy()
     adata.uns.update({k: v for k, v in target.uns.items() if k not in adata.uns})
 
