@@ -23,7 +23,6 @@ from pathlib import Path
 
 import yaml
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 #: The repository root (the folder holding workflow/, scripts/, resources/).
 ROOT = Path(workflow.basedir).resolve().parent
@@ -162,13 +161,36 @@ def check_config(cfg):
     """Fail with every config problem at once (unknown keys, wrong types, values out of bounds, NaN),
     before defaults are filled.
 
-    Snakemake's validate() fills defaults while it validates and stops at the first error; this check
+    fill_defaults() validates too, but stops at the first error; this check
     runs first so a user sees all mistakes, each as ``config.<dotted.key>: problem`` (config_error).
     """
     coerce_command_line_values(cfg, SCHEMA)
     errors = _config_errors(cfg, SCHEMA)
     if errors:
         config_error(errors)
+
+
+def fill_defaults(cfg):
+    """Validate cfg against the config schema and fill the schema's defaults into it, in place.
+
+    Snakemake's validate() does the same in the main process, but before Snakemake 9.15 it returns at once
+    inside a cluster job (workflow.remote_exec), so a SLURM job saw the config without its defaults and
+    failed parsing the Snakefile (KeyError on a section the user left out). Filling them here, the same
+    way (jsonschema's documented default-filling validator), gives every process the same config.
+    """
+    from jsonschema import Draft202012Validator, validators
+
+    check_properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def properties_with_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub:
+                    instance.setdefault(key, copy.deepcopy(sub["default"]))
+        yield from check_properties(validator, properties, instance, schema)
+
+    filling = validators.extend(Draft202012Validator, {"properties": properties_with_defaults})
+    filling(SCHEMA).validate(cfg)
 
 
 def coerce_command_line_values(value, schema):
@@ -261,7 +283,7 @@ def _merge(base, update):
 
 
 def prepare_config(cfg):
-    """After validate() filled the defaults: datasets, per-dataset overrides, sample sheets, GPUs."""
+    """After fill_defaults(): datasets, per-dataset overrides, sample sheets, GPUs."""
     global DATASETS, SIMULATED, INGESTED, SAMPLE_SHEETS
     DATASETS = {name: spec for name, spec in cfg["datasets"].items() if spec is not None}
     if not DATASETS:
