@@ -430,6 +430,20 @@ def test_harmony_enabled_runs_between_pca_and_neighbors(built):
 
 
 @pytest.mark.slow
+def test_scrublet_enabled_runs_between_qc_and_filter(built):
+    """scrublet.enabled adds the scrublet stage after qc; filter then reads its store, so filter and every
+    stage after it re-run, and nothing before."""
+    write_config(built, {"scrublet": {"enabled": True, "batch_key": None}, "filter": {"drop_doublets": True}},
+                 "scrublet.yaml")
+    jobs = planned_jobs(built, configfiles=("config.yaml", "scrublet.yaml"))
+    assert {"scrublet", "filter", "normalize", "final"} <= set(jobs), jobs
+    assert not {"simulate", "qc"} & set(jobs), jobs
+    dry = snakemake(built, "--dry-run", configfiles=("config.yaml", "scrublet.yaml")).stdout
+    assert re.search(r"rule filter:\n\s+input: results/tiny/scrublet.zarr", dry), dry
+    assert re.search(r"rule scrublet:\n\s+input: results/tiny/qc.zarr", dry), dry
+
+
+@pytest.mark.slow
 def test_execution_settings_do_not_rerun(built):
     """Where a stage computes (cluster, workers, memory, chunking, threads) does not re-run finished stages."""
     write_config(built, {"dask": {"address": None, "n_workers": 1, "memory_limit": "1GB"}, "chunk_rows": 50,
@@ -753,8 +767,8 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
     """The mixology plates (gzipped genes x cells CSV, genes by Ensembl id, ERCC spike-ins, different gene
     sets) from one sample sheet through the whole workflow with the shipped defaults except plate-sized
     thresholds: mitochondrial genes found by id, spike-ins out of the totals and the HVGs, the union of
-    genes, Harmony over the plates before the graph, and Leiden recovering the five cell lines (genotype truth)
-    on the singlets."""
+    genes, Scrublet per plate with its doublets dropped, Harmony over the plates before the graph, and Leiden
+    recovering the five cell lines (genotype truth) on the singlets."""
     import anndata as ad
     from sklearn.metrics import adjusted_rand_score
 
@@ -766,9 +780,10 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
         "datasets": {"mix": {"sample_sheet": str(sheet)}},
         "resources": {"default": {"threads": 2, "mem_mb": 3000, "runtime": 20}},
         # deep plate data: no upper gene limit; every well has ~10% mitochondrial reads
-        "filter": {"max_genes": None, "max_pct_mt": None},
         "leiden": {"resolution": 0.5},
         "harmony": {"enabled": True, "key": ["sample"]},  # the plates are batches
+        "scrublet": {"enabled": True},  # per plate (obs sample), its doublets dropped by filter
+        "filter": {"max_genes": None, "max_pct_mt": None, "drop_doublets": True},
     })
     out = snakemake(tmp_path, timeout=900).stdout
     assert "Traceback" not in out
@@ -781,6 +796,9 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
     assert json.loads((results / "normalize.json").read_text())["genes_excluded_from_totals"] > 30
     hvg = ad.read_zarr(results / "hvg.zarr")
     assert not hvg.var.loc[hvg.var["ercc"].astype(bool), "highly_variable"].any()
+    scrublet = json.loads((results / "scrublet.json").read_text())
+    assert set(scrublet["per_sample"]) == {"p1", "p2", "p3"} and not scrublet["samples_skipped"]
+    assert json.loads((results / "filter.json").read_text())["removed_by"]["predicted_doublet"] > 0
     assert json.loads((results / "harmony.json").read_text())["batches"] == {"sample": 3}
     final = ad.read_zarr(results / "final.zarr")
     assert {"X_pca", "X_pca_harmony", "X_umap"} <= set(final.obsm)  # both embeddings kept

@@ -688,6 +688,12 @@ def hvg_inputs(wildcards):
     return inputs
 
 
+def filter_input(wildcards):
+    """filter reads scrublet's store (qc's obs plus doublet scores; X linked) when scrublet.enabled, else qc's."""
+    stage = "scrublet" if dataset_config(wildcards.dataset, "scrublet")["enabled"] else "qc"
+    return store(stage).format(**wildcards)
+
+
 def harmony_enabled(dataset):
     return bool(dataset_config(dataset, "harmony")["enabled"])
 

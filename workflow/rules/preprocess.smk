@@ -1,4 +1,5 @@
-# Preprocessing: qc -> filter -> normalize -> log1p, each results/{dataset}/<stage>.zarr + .json.
+# Preprocessing: qc -> [scrublet ->] filter -> normalize -> log1p, each results/{dataset}/<stage>.zarr + .json
+# (scrublet with scrublet.enabled: doublet scores per sample on the raw counts; filter may drop the doublets).
 
 
 PIPELINE.extend(["qc", "filter", "normalize", "log1p"])
@@ -28,10 +29,33 @@ rule qc:
         "../../scripts/qc.py"
 
 
+rule scrublet:
+    input:
+        input=store("qc"),
+    output:
+        output=directory(store("scrublet")),
+        summary=summary_json("scrublet"),
+    params:
+        **stage_params("scrublet", exclude=["enabled"]),
+    log:
+        log_file("scrublet"),
+    benchmark:
+        benchmark_file("scrublet")
+    threads: rule_threads("scrublet")
+    resources:
+        mem_mb=rule_mem_mb("scrublet"),
+        gpu=rule_gpus("scrublet"),
+        runtime=rule_runtime("scrublet"),
+    conda:
+        conda_env("scrublet")
+    script:
+        "../../scripts/scrublet.py"
+
+
 rule filter:
     input:
         unpack(per_sample_input),
-        input=store("qc"),
+        input=filter_input,
     output:
         output=directory(store("filter")),
         summary=summary_json("filter"),

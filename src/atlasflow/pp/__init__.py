@@ -22,6 +22,7 @@ from atlasflow.pp.harmony import harmony_integrate, lisi_medians  # noqa: E402
 from atlasflow.pp.hvg import highly_variable_genes, subset_genes  # noqa: E402
 from atlasflow.pp.regress import regress_out  # noqa: E402
 from atlasflow.pp.scale import scale  # noqa: E402
+from atlasflow.pp.scrublet import scrublet  # noqa: E402
 from atlasflow.pp.score import score_genes, score_genes_cell_cycle  # noqa: E402
 
 __all__ += [
@@ -31,6 +32,7 @@ __all__ += [
     "pca",
     "regress_out",
     "scale",
+    "scrublet",
     "score_genes",
     "score_genes_cell_cycle",
     "subset_genes",

@@ -59,8 +59,11 @@ def qc_filter_masks(
     per_sample: pd.DataFrame | None = None,
     mad: Mapping | None = None,
     sample_key: str = "sample",
+    drop_doublets: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Boolean masks of the cells and genes to keep, and a report of what each rule removed.
+
+    ``drop_doublets`` also drops the cells the scrublet stage called doublets (``obs['predicted_doublet']``).
 
     ``per_sample`` (index: sample names, columns: threshold names) overrides the global thresholds
     for the cells of each listed sample. ``min_cells_over`` says which cells ``min_cells`` counts over.
@@ -70,6 +73,13 @@ def qc_filter_masks(
     obs, var = adata.obs, adata.var
     keep, before_genes, report = cell_filter_masks(obs, thresholds=thresholds, per_sample=per_sample, mad=mad,
                                                    sample_key=sample_key)
+    if drop_doublets:
+        if "predicted_doublet" not in obs:
+            raise InputError("filter.drop_doublets needs obs['predicted_doublet']: enable the scrublet stage "
+                             "(scrublet.enabled: true)")
+        doublets = obs["predicted_doublet"].to_numpy(dtype=bool)
+        report["predicted_doublet"] = int((keep & doublets).sum())
+        keep = keep & ~doublets
     gene_keep = np.ones(len(var), dtype=bool)
     if min_cells:
         if "n_cells_by_counts" not in var:

@@ -221,6 +221,15 @@ def _dispersion_flavors(X, codes, n_batches, *, flavor, n_bins, cutoff, factor, 
     return out.reset_index(drop=True)
 
 
+def seurat_cutoff_selection(sums, sumsq, n: int, *, min_disp=0.5, max_disp=np.inf, min_mean=0.0125, max_mean=3,
+                            n_bins: int = 20) -> np.ndarray:
+    """scanpy's seurat-flavour selection by cut-offs (its defaults) from per-gene sums and sums of squares of the
+    normalised, unlogged values of ``n`` cells: a boolean mask over the genes given."""
+    mean, _, disp_norm = _dispersion_table(np.asarray(sums, dtype=np.float64), np.asarray(sumsq, dtype=np.float64),
+                                           n, "seurat", n_bins)
+    return _select(mean, disp_norm, _Cutoffs(min_disp, max_disp, min_mean, max_mean))
+
+
 def _dispersion_table(sums, sumsq, n, flavor, n_bins):
     """Means, dispersions and bin-normalised dispersions of one batch (scanpy's seurat/cell_ranger maths)."""
     mean, var = _mean_var(sums, sumsq, n)

@@ -41,6 +41,8 @@ def add_arguments(p):
                         "filter, qc = every cell of the input (default: %(default)s)")
     p.add_argument("--per-sample", dest="per_sample", default=None,
                    help="TSV with a 'sample' column and threshold columns overriding the global ones per sample")
+    p.add_argument("--drop-doublets", dest="drop_doublets", action="store_true",
+                   help="also drop the cells the scrublet stage called doublets (obs predicted_doublet)")
     p.add_argument("--mad", type=json_arg, default=None,
                    help='JSON {"enabled": true, "metrics": {"log1p_total_counts": 5, ...}}: drop MAD outliers')
 
@@ -68,7 +70,7 @@ def run(args, client) -> dict:
             var=["n_cells_by_counts"] if min_cells else [])
     cells, genes, report = pp.qc_filter_masks(
         adata, thresholds=thresholds, min_cells=min_cells, min_cells_over=min_cells_over,
-        per_sample=_per_sample_table(args.per_sample), mad=args.mad,
+        per_sample=_per_sample_table(args.per_sample), mad=args.mad, drop_doublets=bool(args.drop_doublets),
     )
     for rule, n in report.items():
         log.info("filter: %s removes %d %s", rule, n, "genes" if rule == "min_cells" else "cells")
