@@ -800,6 +800,11 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
     assert set(scrublet["per_sample"]) == {"p1", "p2", "p3"} and not scrublet["samples_skipped"]
     assert json.loads((results / "filter.json").read_text())["removed_by"]["predicted_doublet"] > 0
     assert json.loads((results / "harmony.json").read_text())["batches"] == {"sample": 3}
+    mixing = pd.read_csv(results / "leiden.metrics.csv").set_index("key")
+    assert mixing.loc["sample", "metric"] == "iLISI (graph, median)" and mixing.loc["sample", "best"] == 3
+    print(f"graph iLISI of the plates after harmony: {mixing.loc['sample', 'value']}")
+    assert mixing.loc["sample", "value"] > 1.5  # the plates mix on the corrected graph
+    assert (tmp_path / "results" / "mix" / "report" / "integration_metrics.csv").exists()
     final = ad.read_zarr(results / "final.zarr")
     assert {"X_pca", "X_pca_harmony", "X_umap"} <= set(final.obsm)  # both embeddings kept
     assert final.uns["neighbors"]["params"]["use_rep"] == "X_pca_harmony"  # the graph is on the corrected one

@@ -58,6 +58,7 @@ rule leiden:
     output:
         output=directory(store("leiden")),
         summary=summary_json("leiden"),
+        metrics_csv="results/{dataset}/leiden.metrics.csv",
     params:
         **stage_params("leiden"),
     log:

@@ -35,6 +35,7 @@ FIGURES = {
 TABLES = {
     "rank_genes_groups": ("markers", "markers_table.rst", "4. Markers"),
     "aggregate": ("pseudobulk", "pseudobulk_table.rst", "5. Pseudobulk"),
+    "leiden": ("integration", "integration_table.rst", "3. Clusters"),
 }
 
 

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
+from atlasflow import ownership
+from atlasflow.errors import InputError
 from atlasflow.stages._common import (Number, json_arg, optional_bool, optional_int, optional_positive_float,
                                       positive_float, shape_summary)
-from atlasflow.store import open_store, write_store
+from atlasflow.store import open_store, temporary_sibling, write_store
 from atlasflow.tl._gpu import clustering_engine, resolve_backend
 from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
+from atlasflow.tl.metrics import integration_table
+from atlasflow.tl.neighbors import graph_of
 
 DESCRIPTION = ("Leiden clustering of the neighbors graph (scanpy.tl.leiden): obs['leiden'] (+ one column per "
                "extra resolution); X is linked, not copied.")
@@ -52,10 +57,15 @@ def add_cluster_arguments(p, *, algorithm: str, resolution_default):
                    help="rename clusters by decreasing size ('0' the largest); default: scanpy's names")
 
 
-def run_clustering(args, algorithm: str, cluster, **options) -> dict:
+def run_clustering(args, algorithm: str, cluster, *, before=None, after=None, **options) -> dict:
     """What the leiden and louvain stages share: cluster the input's graph with ``cluster`` (tl.leiden or
-    tl.louvain) and the shared arguments plus ``options``, write the store, summarise the clusters."""
+    tl.louvain) and the shared arguments plus ``options``, write the store, summarise the clusters.
+
+    ``before(adata)`` checks the input first; ``after(adata, keys)`` returns more summary and a CSV table (or
+    None) written beside the store, moved into place once the store is complete."""
     adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    if before is not None:
+        before(adata)
     resolutions = to_floats(args.resolutions, "resolutions")
     restrict_to = json_arg(args.restrict_to)
     backend = resolve_backend(getattr(args, "backend", "cpu"))
@@ -67,11 +77,22 @@ def run_clustering(args, algorithm: str, cluster, **options) -> dict:
     )
     keys = output_keys(algorithm, args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
                        resolutions=resolutions)
-    write_store(adata, args.output, chunk_rows=args.chunk_rows,
-                provenance={"stage": algorithm, "keys": keys, "flavor": options["flavor"]})
+    extra, table = after(adata, keys) if after is not None else ({}, None)
+    tmp = None
+    if table is not None:
+        tmp = temporary_sibling(Path(args.metrics_csv))
+        table.to_csv(tmp, index=False)
+    try:
+        write_store(adata, args.output, chunk_rows=args.chunk_rows,
+                    provenance={"stage": algorithm, "keys": keys, "flavor": options["flavor"]})
+        if tmp is not None:
+            ownership.replace_file(tmp, Path(args.metrics_csv))
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     engine, _ = clustering_engine(backend, options["flavor"])
     return {**shape_summary(adata, adata), "flavor": options["flavor"], "backend": backend, "engine": engine,
-            **cluster_summary(adata, keys)}
+            **cluster_summary(adata, keys), **extra}
 
 
 def cluster_summary(adata, keys: list[str]) -> dict:
@@ -96,10 +117,63 @@ def add_arguments(p):
                    help="treat the graph as directed; none: false for igraph, true for leidenalg, as scanpy")
     p.add_argument("--use-weights", dest="use_weights", action=argparse.BooleanOptionalAction, default=True,
                    help="use the connectivities as edge weights")
+    p.add_argument("--batch-key", dest="batch_key", nargs="*", default=["sample"],
+                   help="obs column(s) of the batches whose mixing is measured on the graph (median graph iLISI); "
+                        "a column missing or with one batch is left out (logged)")
+    p.add_argument("--label-key", dest="label_key", default=None,
+                   help="obs column of known labels (cell types, lines): median graph cLISI, and ARI/NMI of the "
+                        "clusters against them")
+    p.add_argument("--metrics-csv", dest="metrics_csv", default=None,
+                   help="the integration metrics table (default: beside the output, <output>.metrics.csv)")
+
+
+def extra_outputs(args) -> list[tuple[str, str, str]]:
+    """The integration metrics table (checked by the CLI before any work)."""
+    return [("metrics_csv", _metrics_path(args), "file")]
+
+
+def _metrics_path(args) -> str:
+    return args.metrics_csv or str(Path(args.output).with_suffix(".metrics.csv"))
+
+
+def _batch_keys(args) -> list[str]:
+    keys = args.batch_key
+    if keys is None:
+        return []
+    return [keys] if isinstance(keys, str) else [str(k) for k in keys]
+
+
+def _check_label_key(args):
+    def check(adata):
+        if args.label_key is not None and args.label_key not in adata.obs:
+            raise InputError(f"leiden.label_key: {args.label_key} not in obs (has: {', '.join(map(str, adata.obs))})")
+    return check
+
+
+def _metrics(args):
+    def after(adata, keys):
+        used = []
+        for key in _batch_keys(args):
+            if key not in adata.obs:
+                log.info("leiden: no obs[%r]: its mixing is not measured", key)
+            elif adata.obs[key].nunique() < 2:
+                log.info("leiden: obs[%r] holds one batch: its mixing is not measured", key)
+            else:
+                used.append(key)
+        info, _ = graph_of(adata, args.neighbors_key or "neighbors")
+        graph = adata.obsp[info.get("distances_key", "distances")]
+        table = integration_table(adata.obs, graph, batch_keys=used, label_key=args.label_key,
+                                  cluster_key=keys[0] if args.label_key else None)
+        for row in table.itertuples():
+            log.info("leiden: %s of %s: %.3f (best %g)", row.metric, row.key, row.value, row.best)
+        return {"integration": table.to_dict(orient="records")}, table
+    return after
 
 
 def run(args, client) -> dict:
+    args.metrics_csv = _metrics_path(args)
     return run_clustering(
-        args, "leiden", leiden, flavor=args.flavor, directed=optional_bool(args.directed),
-        use_weights=bool(args.use_weights), n_iterations=n_iterations_type(args.n_iterations, "n_iterations"),
+        args, "leiden", leiden, before=_check_label_key(args), after=_metrics(args), flavor=args.flavor,
+        directed=optional_bool(args.directed), use_weights=bool(args.use_weights),
+        n_iterations=n_iterations_type(args.n_iterations, "n_iterations"),
     )
