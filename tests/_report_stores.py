@@ -1,5 +1,6 @@
-"""A tiny synthetic set of stage stores (qc, filter, log1p, hvg, leiden, umap, rank_genes_groups) for plots/final
-tests, laid out as the workflow's: the labels in the leiden store, the umap store without them.
+"""A tiny synthetic set of stage stores (qc, filter, log1p, hvg, leiden, umap, umap_uncorrected, rank_genes_groups)
+for plots/final tests, laid out as the workflow's: the labels in the leiden store, the umap stores without them
+(umap_uncorrected: the same cells, the two samples laid out apart, as before a batch correction).
 
 Built directly with scanpy in memory and written with ``write_store``; no atlasflow stage runs.
 """
@@ -31,7 +32,8 @@ def build(root):
     a = sc.AnnData(sp.csr_matrix(counts), obs=obs, var=pd.DataFrame(index=var_names))
     a.var["mt"] = a.var_names.str.startswith("MT-")
     sc.pp.calculate_qc_metrics(a, qc_vars=["mt"], percent_top=None, inplace=True)
-    paths = {s: root / f"{s}.zarr" for s in ("qc", "filter", "log1p", "hvg", "leiden", "umap", "rank_genes_groups")}
+    paths = {s: root / f"{s}.zarr" for s in ("qc", "filter", "log1p", "hvg", "leiden", "umap", "umap_uncorrected",
+                                                   "rank_genes_groups")}
     write_store(a, paths["qc"], chunk_rows=CHUNK)
     write_store(a, paths["filter"], chunk_rows=CHUNK)
     b = a.copy()
@@ -57,6 +59,8 @@ def build(root):
     del u.obs["leiden"], u.uns["leiden"]
     u.uns["umap"] = {"params": {"a": 1.0, "b": 1.0}}
     write_store(u, paths["umap"], chunk_rows=CHUNK)
+    u.obsm["X_umap"] = u.obsm["X_umap"] + np.where(u.obs["sample"].to_numpy() == "s1", 10.0, 0.0)[:, None]
+    write_store(u, paths["umap_uncorrected"], chunk_rows=CHUNK)
     b.obs["leiden"] = h.obs["leiden"]
     sc.tl.rank_genes_groups(b, "leiden", method="t-test")
     lazy = open_store(paths["log1p"])

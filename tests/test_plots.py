@@ -39,7 +39,7 @@ def test_all_plots(stores, tmp_path):
     argv = ["--output", str(out), "--summary", str(tmp_path / "plots.json"), "--dpi", "60",
             "--qc-store", str(paths["qc"]), "--hvg-store", str(paths["hvg"]),
             "--embedding-store", str(paths["umap"]), "--clusters-store", str(paths["leiden"]),
-            "--markers-store", str(paths["rank_genes_groups"]),
+            "--markers-store", str(paths["rank_genes_groups"]), "--uncorrected-store", str(paths["umap_uncorrected"]),
             "--thresholds", json.dumps({"min_genes": 20, "max_genes": 55, "max_pct_mt": 40})]
     assert stage_main(stage, argv=argv) == 0
     for name in stage.ALL_PLOTS:
@@ -53,6 +53,36 @@ def test_missing_store_is_an_error(stores, tmp_path):
     argv = ["--output", str(tmp_path / "p"), "--summary", str(tmp_path / "p.json"),
             "--qc-store", str(paths["qc"]), "--plots", "umap"]
     assert stage_main(stage, argv=argv) == 1
+
+
+def test_umap_batch_draws_before_and_after_by_batch_and_cluster(stores, tmp_path):
+    """umap_batch: one row per batch key and the clusters, the uncorrected UMAP left of the integrated one; each
+    panel shows its own store's layout; without the uncorrected store one column; other cells are an error."""
+    from atlasflow.cli import build_parser
+    from atlasflow.store import open_store
+
+    paths, _ = stores
+    base = ["--summary", str(tmp_path / "p.json"), "--embedding-store", str(paths["umap"]),
+            "--clusters-store", str(paths["leiden"]), "--plots", "umap_batch", "--dpi", "40"]
+    args = build_parser(stage, "plots").parse_args(["--output", str(tmp_path / "a"), *base, "--uncorrected-store",
+                                            str(paths["umap_uncorrected"]), "--batch-keys", "sample", "absent"])
+    fig = stage._umap_batch(args)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles == ["uncorrected: sample", "integrated: sample", "uncorrected: leiden", "integrated: leiden"]
+    before = np.asarray(open_store(paths["umap_uncorrected"]).obsm["X_umap"])
+    after = np.asarray(open_store(paths["umap"]).obsm["X_umap"])
+    assert not np.allclose(before, after)
+    for ax, xy in zip(fig.axes[:2], (before, after), strict=True):  # each panel spans its own embedding
+        lo, hi = ax.get_xlim()
+        assert lo <= xy[:, 0].min() and xy[:, 0].max() <= hi and hi - lo < 1.5 * np.ptp(xy[:, 0])
+    plt.close(fig)
+    args = build_parser(stage, "plots").parse_args(["--output", str(tmp_path / "b"), *base])
+    fig = stage._umap_batch(args)
+    assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["UMAP: sample", "UMAP: leiden"]
+    plt.close(fig)
+    wrong = ["--output", str(tmp_path / "c"), *base, "--uncorrected-store", str(paths["qc"])]
+    assert stage_main(stage, argv=wrong) == 1  # the qc store has no X_umap: one line, no figure
+    assert not (tmp_path / "c" / "umap_batch.png").exists()
 
 
 def test_marker_means_one_pass(stores):

@@ -29,8 +29,19 @@ MIXOLOGY = ROOT.parent / "shared" / "data" / "mixology_5cl"
 def shipped_gene_sets() -> dict:
     """qc.gene_sets of config/config.yaml, files resolved in the repository (as the Snakefile does)."""
     sets = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["qc"]["gene_sets"]
-    return {name: {k: (str(ROOT / v) if k.endswith("_file") else v) for k, v in spec.items()}
-            for name, spec in sets.items()}
+
+    def resolved(spec):
+        return {k: (str(ROOT / v) if k.endswith("_file") else resolved(v) if k == "mouse" else v)
+                for k, v in spec.items()}
+
+    return {name: resolved(spec) for name, spec in sets.items()}
+
+
+def list_genes(name: str) -> pd.DataFrame:
+    """(symbol, gene_id) rows of a shipped gene list."""
+    rows = [line.split() for line in (ROOT / "resources" / "gene_lists" / name).read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    return pd.DataFrame(rows, columns=["symbol", "gene_id"])
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +88,73 @@ def test_ercc_spike_ins_form_their_own_set(caplog):
     np.testing.assert_array_equal(own["ercc"], [False, False, True, False, False])
 
 
-def test_mouse_ids_with_human_lists_warn_with_the_fix(caplog):
+def test_mouse_ids_with_human_lists_only_warn_with_the_fix(caplog):
     var = pd.DataFrame({"gene_ids": [f"ENSMUSG{i:011d}" for i in range(50)]})
     var["gene_symbols"] = var["gene_ids"]
+    human_only = {n: {k: v for k, v in s.items() if k != "mouse"} for n, s in shipped_gene_sets().items()}
     with caplog.at_level(logging.WARNING, logger="atlasflow.pp.qc"):
-        masks = pp.gene_set_masks(var, shipped_gene_sets())
+        masks = pp.gene_set_masks(var, human_only)
     assert not masks["mt"].any()
-    assert "matches no gene" in caplog.text and "non-human Ensembl ids: give the set an ids_file" in caplog.text
+    assert "matches no gene" in caplog.text and "var looks mouse: give the set a mouse spec" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def mouse_var() -> pd.DataFrame:
+    """A mouse var (MGI symbols, Ensembl ids): the genes of the three mouse lists among genes the prefix and
+    regex rules must tell apart from them (kinases Rps6ka1/Rps6kb1, Hbegf, Hbp1, Hbs1l, a human-case MT-ND1)."""
+    genes = pd.concat([list_genes(f"mouse_{n}.txt") for n in ("mito", "ribo", "hb")], ignore_index=True)
+    others = pd.DataFrame({"symbol": ["Xkr4", "Gm26206", "Actb", "Rps6ka1", "Rps6kb1", "Mrpl15", "Hbegf", "Hbp1",
+                                      "Hbs1l", "4933401J01Rik"],
+                           "gene_id": [f"ENSMUSG{90_000_000_000 + i:011d}" for i in range(10)]})
+    genes = pd.concat([others.iloc[:5], genes, others.iloc[5:]], ignore_index=True)
+    return pd.DataFrame({"gene_ids": genes["gene_id"].to_numpy(), "gene_symbols": genes["symbol"].to_numpy()},
+                        index=genes["symbol"].to_numpy())
+
+
+def test_mouse_data_gets_the_mouse_rules_by_symbol_and_by_id(mouse_var, caplog):
+    sets = shipped_gene_sets()
+    symbols = mouse_var["gene_symbols"]
+    with caplog.at_level(logging.INFO, logger="atlasflow.pp.qc"):
+        by_symbol = pp.gene_set_masks(mouse_var, sets)
+    assert "var looks mouse (Ensembl ids ENSMUSG)" in caplog.text
+    np.testing.assert_array_equal(by_symbol["mt"], symbols.str.startswith("mt-"))
+    np.testing.assert_array_equal(by_symbol["ribo"], symbols.str.startswith(("Rps", "Rpl")))
+    in_list = {n: symbols.isin(list_genes(f"mouse_{n}.txt")["symbol"]).to_numpy() for n in ("mito", "ribo", "hb")}
+    np.testing.assert_array_equal(by_symbol["hb"], in_list["hb"])  # the regex leaves out Hbegf, Hbp1, Hbs1l
+    assert by_symbol["mt"].sum() == 37 and by_symbol["hb"].sum() == 10
+    # symbols only (no ids): recognised as mouse by their case
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="atlasflow.pp.qc"):
+        no_ids = pp.gene_set_masks(mouse_var.drop(columns="gene_ids"), sets)
+    assert "var looks mouse (" in caplog.text and "of symbols not upper case" in caplog.text
+    for name in ("mt", "ribo", "hb"):
+        np.testing.assert_array_equal(no_ids[name], by_symbol[name], err_msg=name)
+    # ids only: the mouse lists' ids select exactly the lists' genes
+    ids_only = pd.DataFrame({"gene_ids": mouse_var["gene_ids"].to_numpy(),
+                             "gene_symbols": mouse_var["gene_ids"].to_numpy()}, index=mouse_var["gene_ids"].to_numpy())
+    by_id = pp.gene_set_masks(ids_only, sets)
+    for name, file in (("mt", "mito"), ("ribo", "ribo"), ("hb", "hb")):
+        np.testing.assert_array_equal(by_id[name], in_list[file], err_msg=name)
+    # the human rules, when asked for, do not fit mouse symbols
+    forced = pp.gene_set_masks(mouse_var.drop(columns="gene_ids"), sets, species="human")
+    assert not forced["mt"].any()
+
+
+def test_species_is_detected_from_ids_first_then_symbol_case():
+    from atlasflow.pp.qc import detect_species
+
+    def species(**columns):
+        var = pd.DataFrame(columns)
+        symbols = pd.Index(var["gene_symbols"] if "gene_symbols" in var else var.index).astype(str)
+        return detect_species(var, symbols)[0]
+
+    assert species(gene_symbols=["MT-ND1", "ACTB", "AL627309.1", "RP11-34P13.3"]) == "human"
+    assert species(gene_symbols=["mt-Nd1", "Actb", "Gm26206", "4933401J01Rik"]) == "mouse"
+    # ids decide over symbols: human ids with a few odd symbols, mouse ids with upper-case symbols
+    assert species(gene_ids=["ENSG00000198888", "ENSG00000075624"], gene_symbols=["Mt-nd1", "Actb"]) == "human"
+    assert species(gene_ids=["ENSMUSG00000064341", "ENSMUSG00000029580"], gene_symbols=["MT-ND1", "ACTB"]) == "mouse"
+    with pytest.raises(Exception, match="qc.species"):
+        pp.gene_set_masks(pd.DataFrame(index=["a"]), {}, species="rat")
 
 
 @pytest.mark.skipif(not MIXOLOGY.is_dir(), reason="needs ../shared/data/mixology_5cl beside the repository")

@@ -805,6 +805,16 @@ def test_three_real_plates_from_one_sample_sheet_to_the_final_store(tmp_path):
     print(f"graph iLISI of the plates after harmony: {mixing.loc['sample', 'value']}")
     assert mixing.loc["sample", "value"] > 1.5  # the plates mix on the corrected graph
     assert (tmp_path / "results" / "mix" / "report" / "integration_metrics.csv").exists()
+    # the before/after figure: the uncorrected graph (X_pca) and its UMAP, beside the integrated ones
+    from atlasflow.tl.metrics import graph_lisi
+
+    before = ad.read_zarr(results / "neighbors_uncorrected.zarr")
+    assert before.uns["neighbors"]["params"]["use_rep"] == "X_pca"
+    ilisi_before = float(np.median(graph_lisi(before.obsp["distances"], before.obs["sample"])))
+    print(f"graph iLISI of the plates before harmony: {ilisi_before}")
+    assert ilisi_before < mixing.loc["sample", "value"]  # harmony mixes the plates
+    assert "X_umap" in ad.read_zarr(results / "umap_uncorrected.zarr").obsm
+    assert (results / "plots" / "umap_batch.png").stat().st_size > 10_000
     final = ad.read_zarr(results / "final.zarr")
     assert {"X_pca", "X_pca_harmony", "X_umap"} <= set(final.obsm)  # both embeddings kept
     assert final.uns["neighbors"]["params"]["use_rep"] == "X_pca_harmony"  # the graph is on the corrected one

@@ -42,6 +42,7 @@ FIGSIZES = {
     "pca_variance_ratio": (6, 4),
     "pca": (16, 7),
     "umap": (16, 7),
+    "umap_batch": (14, 10),
     "cluster_sizes": (8, 5),
     "marker_dotplot": (12, 6),
     "marker_heatmap": (12, 6),
@@ -369,6 +370,25 @@ def embedding(name: str, xy: np.ndarray, obs: pd.DataFrame, keys: list[str], uns
         ax.set_ylabel(f"{basis}2")
     for ax in flat[len(keys):]:
         ax.set_axis_off()
+    return fig
+
+
+def embeddings_side_by_side(name: str, panels: list[tuple[str, np.ndarray]], obs: pd.DataFrame, keys: list[str],
+                            uns: dict | None = None, basis: str = "UMAP", dpi: int = 100,
+                            max_points: int = RASTER_MAX_POINTS):
+    """A grid with one row per obs key (present in ``obs``) and one column per (title, embedding) panel: the
+    same cells, coloured alike, laid out by each embedding (e.g. before and after batch correction)."""
+    keys = [k for k in keys if k in obs] or [None]
+    fig, axes = _figure(name, len(keys), len(panels), dpi=dpi)
+    fig.canvas.draw()  # panel sizes are known from here on (for the binned images)
+    for row, key in zip(axes, keys, strict=True):
+        values = obs[key] if key else None
+        colors = category_colors(values, uns, key) if key and isinstance(values.dtype, pd.CategoricalDtype) else None
+        for ax, (title, xy) in zip(row, panels, strict=True):
+            scatter_embedding(ax, xy, values, title=f"{title}: {key}" if key else title, colors=colors,
+                              max_points=max_points)
+            ax.set_xlabel(f"{basis}1")
+            ax.set_ylabel(f"{basis}2")
     return fig
 
 

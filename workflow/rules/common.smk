@@ -423,7 +423,8 @@ def ingest_inputs(wildcards):
 def gene_list_files(wildcards):
     """QC gene lists given as files (tracked as inputs so that editing one re-runs qc)."""
     sets = dataset_config(wildcards.dataset, "qc")["gene_sets"]
-    return [resolve_resource(s[k]) for s in sets.values() for k in ("genes_file", "ids_file") if s.get(k)]
+    specs = [spec for s in sets.values() for spec in (s, s.get("mouse") or {})]
+    return [resolve_resource(s[k]) for s in specs for k in ("genes_file", "ids_file") if s.get(k)]
 
 
 def per_sample_input(wildcards):
@@ -442,11 +443,18 @@ def _value_of(stage, key):
     def value(wildcards):
         v = dataset_config(wildcards.dataset, stage)[key]
         if stage == "qc" and key == "gene_sets":
-            v = {name: {**s, **{k: resolve_resource(s[k]) for k in ("genes_file", "ids_file") if s.get(k)}}
-                 for name, s in v.items()}
+            v = {name: _resolved_gene_set(s) for name, s in v.items()}
         return v
 
     return value
+
+
+def _resolved_gene_set(spec):
+    """A QC gene set with its list files (and those of its mouse rules) resolved as resources."""
+    spec = {**spec, **{k: resolve_resource(spec[k]) for k in ("genes_file", "ids_file") if spec.get(k)}}
+    if spec.get("mouse"):
+        spec["mouse"] = _resolved_gene_set(spec["mouse"])
+    return spec
 
 
 def _execution(value):

@@ -1,5 +1,7 @@
 # Graph: [harmony ->] neighbors -> leiden and neighbors -> umap on obsm X_pca (or X_pca_harmony with harmony.enabled;
-# in memory; X is linked, never read), louvain optional.
+# in memory; X is linked, never read), louvain optional. With harmony.enabled and harmony.plot_uncorrected, the
+# same two stages also run on the uncorrected X_pca (neighbors_uncorrected -> umap_uncorrected), only for the
+# before/after figure umap_batch.
 
 
 PIPELINE.extend(["neighbors", "leiden", "umap"])
@@ -12,7 +14,7 @@ rule harmony:
         output=directory(store("harmony")),
         summary=summary_json("harmony"),
     params:
-        **stage_params("harmony", exclude=["enabled"]),
+        **stage_params("harmony", exclude=["enabled", "plot_uncorrected"]),
     log:
         log_file("harmony"),
     benchmark:
@@ -50,6 +52,53 @@ rule neighbors:
         conda_env("neighbors")
     script:
         "../../scripts/neighbors.py"
+
+
+rule neighbors_uncorrected:
+    input:
+        input=store("pca"),
+    output:
+        output=directory(store("neighbors_uncorrected")),
+        summary=summary_json("neighbors_uncorrected"),
+    params:
+        **stage_params("neighbors", exclude=["use_rep"]),
+        use_rep="X_pca",
+    log:
+        log_file("neighbors_uncorrected"),
+    benchmark:
+        benchmark_file("neighbors_uncorrected")
+    threads: rule_threads("neighbors")
+    resources:
+        mem_mb=rule_mem_mb("neighbors"),
+        gpu=rule_gpus("neighbors"),
+        runtime=rule_runtime("neighbors"),
+    conda:
+        conda_env("neighbors")
+    script:
+        "../../scripts/neighbors.py"
+
+
+rule umap_uncorrected:
+    input:
+        input=store("neighbors_uncorrected"),
+    output:
+        output=directory(store("umap_uncorrected")),
+        summary=summary_json("umap_uncorrected"),
+    params:
+        **stage_params("umap"),
+    log:
+        log_file("umap_uncorrected"),
+    benchmark:
+        benchmark_file("umap_uncorrected")
+    threads: rule_threads("umap")
+    resources:
+        mem_mb=rule_mem_mb("umap"),
+        gpu=rule_gpus("umap"),
+        runtime=rule_runtime("umap"),
+    conda:
+        conda_env("umap")
+    script:
+        "../../scripts/umap.py"
 
 
 rule leiden:

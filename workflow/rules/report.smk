@@ -20,6 +20,7 @@ rule plots:
         output="results/{dataset}/plots",
         plots=FIGURES_MADE,
         thresholds=qc_thresholds,
+        batch_keys=batch_keys,
         **{k: report_setting("plots", k) for k in REPORT_DEFAULTS["plots"]},
         **runtime_params(),
     log:

@@ -27,6 +27,7 @@ FIGURES = {
     "pca_variance_ratio": ("pca_variance_ratio.rst", "2. Features and PCA", ["pca"]),
     "pca": ("pca.rst", "2. Features and PCA", ["pca"]),
     "umap": ("umap.rst", "3. Clusters", ["umap"]),
+    "umap_batch": ("umap_batch.rst", "3. Clusters", ["umap"]),
     "cluster_sizes": ("cluster_sizes.rst", "3. Clusters", ["umap"]),
     "marker_dotplot": ("marker_dotplot.rst", "4. Markers", ["rank_genes_groups"]),
     "marker_heatmap": ("marker_heatmap.rst", "4. Markers", ["rank_genes_groups"]),
@@ -73,7 +74,23 @@ def plot_inputs(wildcards):
               **cluster_inputs()}
     if has_rule("rank_genes_groups"):
         inputs["markers_store"] = store("rank_genes_groups")
+    if uncorrected_umap_wanted(wildcards.dataset):
+        inputs["uncorrected_store"] = store("umap_uncorrected")
     return {k: v.format(dataset=wildcards.dataset) for k, v in inputs.items()}
+
+
+def uncorrected_umap_wanted(dataset):
+    """Whether umap_batch draws the UMAP before batch correction (harmony on, with plot_uncorrected)."""
+    return (has_rule("umap_uncorrected") and harmony_enabled(dataset)
+            and bool(dataset_config(dataset, "harmony")["plot_uncorrected"]))
+
+
+def batch_keys(wildcards):
+    """The batches umap_batch is coloured by: harmony's keys when it is on, else the sample key."""
+    if harmony_enabled(wildcards.dataset):
+        key = dataset_config(wildcards.dataset, "harmony")["key"]
+        return [key] if isinstance(key, str) else list(key)
+    return [report_setting("plots", "sample_key")]
 
 
 def qc_thresholds(wildcards):

@@ -18,20 +18,31 @@ from atlasflow.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def gene_set_masks(var: pd.DataFrame, sets: Mapping[str, Mapping]) -> dict[str, np.ndarray]:
+def gene_set_masks(var: pd.DataFrame, sets: Mapping[str, Mapping], species: str = "auto") -> dict[str, np.ndarray]:
     """Boolean gene masks for QC gene sets, each given by ``prefix`` (str or list), ``regex`` or ``genes_file``.
 
     Symbols are taken from ``var["gene_symbols"]`` when present (ingest keeps the original symbols there),
     else from the var names. When those are gene ids rather than symbols (Ensembl ids, as plate data and
     some references give only), a set's ``ids_file`` replaces its symbol rules (a prefix such as "MT-"
-    cannot match an id). ERCC spike-ins, when present, form a set ``ercc`` unless one is configured. A set
-    that matches no gene gives an all-False mask and a warning.
+    cannot match an id). A set may hold a ``mouse`` spec of its own (e.g. ``{prefix: "mt-"}``): it replaces
+    the set's rules when ``species`` is "mouse", or "auto" and var looks mouse (:func:`detect_species`).
+    ERCC spike-ins, when present, form a set ``ercc`` unless one is configured. A set that matches no gene
+    gives an all-False mask and a warning.
     """
     symbols = pd.Index(var["gene_symbols"] if "gene_symbols" in var else var.index).astype(str)
     ids_only = gene_ids.id_fraction(symbols) >= 0.9
+    if species == "auto":
+        species, why = detect_species(var, symbols)
+        if species == "mouse" and any("mouse" in dict(s or {}) for s in sets.values()):
+            log.info("QC gene sets: var looks mouse (%s): using the sets' mouse rules", why)
+    elif species not in ("human", "mouse"):
+        raise ConfigError(f"qc.species: {species!r} is not one of auto, human, mouse")
     masks = {}
     for name, spec in sets.items():
         spec = dict(spec or {})
+        mouse = spec.pop("mouse", None)
+        if species == "mouse" and mouse:
+            spec = dict(mouse)
         if ids_only and spec.get("ids_file"):
             mask = _list_mask(var, symbols, name, spec["ids_file"], "ids_file")
             log.info("QC gene set %r: var holds gene ids, not symbols: %d genes by id from %s", name, mask.sum(),
@@ -40,10 +51,12 @@ def gene_set_masks(var: pd.DataFrame, sets: Mapping[str, Mapping]) -> dict[str, 
             mask = _rule_mask(var, symbols, name, spec)
         if not mask.any():
             hint = ""
-            if ids_only and gene_ids.ensembl_species(symbols) not in (None, ""):
-                hint = "; var holds non-human Ensembl ids: give the set an ids_file of that species"
+            if ids_only and gene_ids.ensembl_species(symbols) not in (None, "", "MUS"):
+                hint = "; var holds non-human, non-mouse Ensembl ids: give the set an ids_file of that species"
             elif ids_only and not spec.get("ids_file"):
                 hint = "; var holds gene ids, not symbols: give the set an ids_file"
+            elif species == "mouse" and not mouse:
+                hint = "; var looks mouse: give the set a mouse spec (e.g. mouse: {prefix: \"mt-\"})"
             log.warning("QC gene set %r matches no gene: pct_counts_%s will be 0%s", name, name, hint)
         masks[name] = mask
     if "ercc" not in masks:
@@ -54,6 +67,24 @@ def gene_set_masks(var: pd.DataFrame, sets: Mapping[str, Mapping]) -> dict[str, 
             log.info("QC gene set 'ercc': %d ERCC spike-ins (pct_counts_ercc)", ercc.sum())
             masks["ercc"] = ercc
     return masks
+
+
+def detect_species(var: pd.DataFrame, symbols: pd.Index) -> tuple[str, str]:
+    """("human" | "mouse", why) from what var holds: Ensembl ids (ENSMUSG is mouse) where there are any, else
+    the case of the symbols (human HGNC symbols are upper case, mouse MGI symbols are not: MT-ND1 vs mt-Nd1)."""
+    ids = var["gene_ids"] if "gene_ids" in var else symbols
+    prefix = gene_ids.ensembl_species(ids)
+    if prefix is None and "gene_ids" in var:
+        prefix = gene_ids.ensembl_species(symbols)
+    if prefix == "MUS":
+        return "mouse", "Ensembl ids ENSMUSG"
+    if prefix is not None:
+        return "human", f"Ensembl ids ENS{prefix}G"
+    lettered = symbols[symbols.str.contains("[A-Za-z]{2}", regex=True)]
+    upper = float((lettered == lettered.str.upper()).mean()) if len(lettered) else 1.0
+    if upper < 0.5:
+        return "mouse", f"{1 - upper:.0%} of symbols not upper case"
+    return "human", f"{upper:.0%} of symbols upper case"
 
 
 def _rule_mask(var: pd.DataFrame, symbols: pd.Index, name: str, spec: dict) -> np.ndarray:

@@ -7,7 +7,9 @@ Each figure needs some stores; a figure asked for with ``--plots`` whose store i
 * ``--hvg-store``: hvg (mean vs dispersion)
 * ``--pca-store`` or ``--embedding-store``: pca_variance_ratio (uns pca), pca (obsm X_pca)
 * ``--embedding-store``: umap (obsm X_umap), cluster_sizes (obs cluster key by sample); the cluster labels
-  come from ``--clusters-store`` (e.g. the leiden store) when given, else from the embedding store's obs
+  come from ``--clusters-store`` (e.g. the leiden store) when given, else from the embedding store's obs;
+  umap_batch (the UMAP coloured by each of ``--batch-keys`` and the clusters), beside the UMAP of
+  ``--uncorrected-store`` (the graph before batch correction) when given
 * ``--markers-store``: marker_dotplot, marker_heatmap of the top genes per group of uns rank_genes_groups;
   the per-group mean and fraction expressing come from ``--aggregate-store`` (layers mean and
   count_nonzero, grouped by the cluster key alone) when given, else from one pass over the marker
@@ -30,20 +32,21 @@ from atlasflow import plots as pl
 from atlasflow.errors import InputError
 from atlasflow.stages._common import json_arg
 
-DESCRIPTION = "PNG figures (QC, HVG, PCA, UMAP, cluster sizes, marker dot plot and heatmap) from small store slots."
+DESCRIPTION = ("PNG figures (QC, HVG, PCA, UMAP, UMAP by batch before/after correction, cluster sizes, marker dot "
+               "plot and heatmap) from small store slots.")
 TAKES_INPUT = False
 NEEDS_CLUSTER = False
-ALL_PLOTS = ("qc_violin", "highest_expr_genes", "hvg", "pca_variance_ratio", "pca", "umap", "cluster_sizes",
-             "marker_dotplot", "marker_heatmap")
+ALL_PLOTS = ("qc_violin", "highest_expr_genes", "hvg", "pca_variance_ratio", "pca", "umap", "umap_batch",
+             "cluster_sizes", "marker_dotplot", "marker_heatmap")
 #: Which store arguments each figure can be drawn from (any one of them).
 NEEDS = {
     "qc_violin": ("qc_store",), "highest_expr_genes": ("qc_store",), "hvg": ("hvg_store",),
     "pca_variance_ratio": ("pca_store", "embedding_store"), "pca": ("embedding_store", "pca_store"),
-    "umap": ("embedding_store",), "cluster_sizes": ("embedding_store",),
+    "umap": ("embedding_store",), "umap_batch": ("embedding_store",), "cluster_sizes": ("embedding_store",),
     "marker_dotplot": ("markers_store",), "marker_heatmap": ("markers_store",),
 }
 STORE_ARGS = ("qc_store", "hvg_store", "pca_store", "embedding_store", "clusters_store", "markers_store",
-              "expression_store", "aggregate_store")
+              "expression_store", "aggregate_store", "uncorrected_store")
 log = logging.getLogger(__name__)
 #: The output is a folder of PNGs (each checked as atlasflow's own before it is replaced), not a store.
 OUTPUT_KIND = "folder"
@@ -58,6 +61,11 @@ def add_arguments(p):
     p.add_argument("--clusters-store", dest="clusters_store", default=None,
                    help="store whose obs columns (the clusters) and uns colours are added to the embedding's "
                         "(e.g. the leiden store)")
+    p.add_argument("--uncorrected-store", dest="uncorrected_store", default=None,
+                   help="umap store of the graph before batch correction (obsm X_umap of the same cells): "
+                        "umap_batch draws it beside the embedding store's")
+    p.add_argument("--batch-keys", dest="batch_keys", nargs="*", default=None,
+                   help="obs columns of the batches in umap_batch (default: the sample key)")
     p.add_argument("--markers-store", dest="markers_store", default=None,
                    help="rank_genes_groups store (uns rank_genes_groups)")
     p.add_argument("--expression-store", dest="expression_store", default=None,
@@ -130,6 +138,8 @@ def _draw(name, args):
         keys = args.color_by or [args.cluster_key, args.sample_key, *pl.QC_METRICS]
         return pl.embedding(name, np.asarray(xy), obs, keys, uns or {}, basis=name.upper(), dpi=dpi,
                             max_points=args.max_points)
+    if name == "umap_batch":
+        return _umap_batch(args)
     if name == "cluster_sizes":
         obs, uns = _with_clusters(*pl.read_slots(args.embedding_store, "obs", "uns"), args)
         if args.cluster_key not in obs:
@@ -139,6 +149,28 @@ def _draw(name, args):
     if name == "marker_dotplot":
         return pl.marker_dotplot(mean, frac, dpi=dpi, value_label=label)
     return pl.marker_heatmap(mean, dpi=dpi, value_label=label)
+
+
+def _umap_batch(args):
+    """UMAP coloured by the batches and the clusters: after correction (the embedding store) beside before it
+    (the uncorrected store), or alone."""
+    obs, xy, uns = pl.read_slots(args.embedding_store, "obs", "obsm/X_umap", "uns")
+    if xy is None:
+        raise InputError(f"{args.embedding_store} has no obsm['X_umap']")
+    obs, uns = _with_clusters(obs, uns, args)
+    panels = [("integrated" if args.uncorrected_store else "UMAP", np.asarray(xy))]
+    if args.uncorrected_store:
+        before_obs, before = pl.read_slots(args.uncorrected_store, "obs", "obsm/X_umap")
+        if before is None or not before_obs.index.equals(obs.index):
+            raise InputError(f"{args.uncorrected_store} has no obsm['X_umap'] of the cells of {args.embedding_store}")
+        panels.insert(0, ("uncorrected", np.asarray(before)))
+    batch_keys = list(args.batch_keys) if args.batch_keys else [args.sample_key]
+    absent = [k for k in batch_keys if k not in obs]
+    if absent:
+        log.warning("plots: umap_batch: obs has no %s; drawn without them", ", ".join(map(repr, absent)))
+    keys = [k for k in dict.fromkeys([*batch_keys, args.cluster_key]) if k in obs]
+    return pl.embeddings_side_by_side("umap_batch", panels, obs, keys, uns or {}, dpi=args.dpi,
+                                      max_points=args.max_points)
 
 
 def _with_clusters(obs: pd.DataFrame, uns, args):

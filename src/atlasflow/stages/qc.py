@@ -10,13 +10,19 @@ from atlasflow.stages._common import json_arg, positive_int, shape_summary
 from atlasflow.store import open_store, write_store
 
 DESCRIPTION = "Compute scanpy's QC metrics (obs and var) of a raw-count store; X is linked, not copied."
-DEFAULT_GENE_SETS = {"mt": {"prefix": "MT-"}, "ribo": {"prefix": ["RPS", "RPL"]}, "hb": {"regex": "^HB[^(P)]"}}
+DEFAULT_GENE_SETS = {"mt": {"prefix": "MT-", "mouse": {"prefix": "mt-"}},
+                     "ribo": {"prefix": ["RPS", "RPL"], "mouse": {"prefix": ["Rps", "Rpl"]}},
+                     "hb": {"regex": "^HB[^(P)]", "mouse": {"regex": "^Hb(a-|b-|q)"}}}
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p):
     p.add_argument("--gene-sets", dest="gene_sets", type=json_arg, default=DEFAULT_GENE_SETS,
-                   help="JSON {name: {prefix|regex|genes_file: ...}}: boolean var columns and pct_counts_<name>")
+                   help="JSON {name: {prefix|regex|genes_file|ids_file: ..., mouse: {...}}}: boolean var columns "
+                        "and pct_counts_<name>; a set's mouse rules replace its own on mouse data")
+    p.add_argument("--species", choices=["auto", "human", "mouse"], default="auto",
+                   help="which rules of the gene sets apply; auto: mouse when var holds ENSMUSG ids or mostly "
+                        "non-upper-case symbols (mt-Nd1), else human (default: auto)")
     p.add_argument("--percent-top", dest="percent_top", type=positive_int.named("percent_top"), nargs="*",
                    default=[50, 100, 200, 500],
                    help="n (1 to the number of genes) for pct_counts_in_top_<n>_genes")
@@ -29,7 +35,7 @@ def run(args, client) -> dict:
     if too_many:  # scanpy: IndexError "Positions outside range of features"
         raise ConfigError(f"qc.percent_top: {', '.join(map(str, too_many))} > the {adata.n_vars} genes of the input; "
                           f"give values up to {adata.n_vars} (or [] for none)")
-    masks = pp.gene_set_masks(adata.var, args.gene_sets or {})
+    masks = pp.gene_set_masks(adata.var, args.gene_sets or {}, species=args.species)
     for name, mask in masks.items():
         adata.var[name] = mask
     log.info("qc: %d cells x %d genes; gene sets %s", adata.n_obs, adata.n_vars,
