@@ -22,7 +22,7 @@ def add_arguments(p):
                         "and pct_counts_<name>; a set's mouse rules replace its own on mouse data")
     p.add_argument("--species", choices=["auto", "human", "mouse"], default="auto",
                    help="which rules of the gene sets apply; auto: mouse when var holds ENSMUSG ids or mostly "
-                        "non-upper-case symbols (mt-Nd1), else human (default: auto)")
+                        "non-upper-case symbols (mt-Nd1), else human")
     p.add_argument("--percent-top", dest="percent_top", type=positive_int.named("percent_top"), nargs="*",
                    default=[50, 100, 200, 500],
                    help="n (1 to the number of genes) for pct_counts_in_top_<n>_genes")
