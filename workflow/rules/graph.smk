@@ -54,53 +54,6 @@ rule neighbors:
         "../../scripts/neighbors.py"
 
 
-rule neighbors_uncorrected:
-    input:
-        input=store("pca"),
-    output:
-        output=directory(store("neighbors_uncorrected")),
-        summary=summary_json("neighbors_uncorrected"),
-    params:
-        **stage_params("neighbors", exclude=["use_rep"]),
-        use_rep="X_pca",
-    log:
-        log_file("neighbors_uncorrected"),
-    benchmark:
-        benchmark_file("neighbors_uncorrected")
-    threads: rule_threads("neighbors")
-    resources:
-        mem_mb=rule_mem_mb("neighbors"),
-        gpu=rule_gpus("neighbors"),
-        runtime=rule_runtime("neighbors"),
-    conda:
-        conda_env("neighbors")
-    script:
-        "../../scripts/neighbors.py"
-
-
-rule umap_uncorrected:
-    input:
-        input=store("neighbors_uncorrected"),
-    output:
-        output=directory(store("umap_uncorrected")),
-        summary=summary_json("umap_uncorrected"),
-    params:
-        **stage_params("umap"),
-    log:
-        log_file("umap_uncorrected"),
-    benchmark:
-        benchmark_file("umap_uncorrected")
-    threads: rule_threads("umap")
-    resources:
-        mem_mb=rule_mem_mb("umap"),
-        gpu=rule_gpus("umap"),
-        runtime=rule_runtime("umap"),
-    conda:
-        conda_env("umap")
-    script:
-        "../../scripts/umap.py"
-
-
 rule leiden:
     input:
         input=store("neighbors"),
@@ -146,6 +99,34 @@ rule umap:
         conda_env("umap")
     script:
         "../../scripts/umap.py"
+
+
+# The same rules on the uncorrected X_pca (threads, resources, conda and script inherited).
+use rule neighbors as neighbors_uncorrected with:
+    input:
+        input=store("pca"),
+    output:
+        output=directory(store("neighbors_uncorrected")),
+        summary=summary_json("neighbors_uncorrected"),
+    params:
+        **stage_params("neighbors", exclude=["use_rep"]),
+        use_rep="X_pca",
+    log:
+        log_file("neighbors_uncorrected"),
+    benchmark:
+        benchmark_file("neighbors_uncorrected")
+
+
+use rule umap as umap_uncorrected with:
+    input:
+        input=store("neighbors_uncorrected"),
+    output:
+        output=directory(store("umap_uncorrected")),
+        summary=summary_json("umap_uncorrected"),
+    log:
+        log_file("umap_uncorrected"),
+    benchmark:
+        benchmark_file("umap_uncorrected")
 
 
 rule louvain:
