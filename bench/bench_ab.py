@@ -6,8 +6,11 @@ Revision A runs from a temporary ``git worktree`` (its ``src`` first on PYTHONPA
 its Dask workers import that revision); B is this checkout. Each run is the real script in its own process
 with its own local cluster (``--n-workers``, ``--chunk-rows``), measured as ``bench_foundation.py`` measures a
 stage (wall and CPU time, peak summed RSS of the process tree). The two outputs are compared element by
-element (X and every obs/var column), so a refactor that should change nothing is checked for that too.
-Result: ``bench/results/ab_<stage>.md``.
+element (X, every obs/var column and every array under uns), so a refactor that should change nothing is
+checked for that too. Besides time and memory each run records the bytes its processes read and wrote
+through system calls and the peak disk space it took on the file system of ``--workdir`` (scratch files
+included: sampled every 0.2 s as the file system's used space minus that at the start).
+Result: ``bench/results/ab_<stage>.md`` (``--result`` to name another).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +48,46 @@ def same_store(a: Path, b: Path) -> str:
         for c in p.columns:
             if not p[c].equals(q[c]):
                 return f"{axis}[{c!r}] differs"
-    return "identical"
+    return _same_uns(x.uns, y.uns, "uns")
+
+
+def _same_uns(a, b, where: str) -> str:
+    """'identical' or the first uns entry that differs (arrays bit for bit, NaN equal to NaN)."""
+    import numpy as np
+
+    if isinstance(a, dict) or isinstance(b, dict):
+        if not (isinstance(a, dict) and isinstance(b, dict)) or sorted(a) != sorted(b):
+            return f"{where} keys differ"
+        for k in a:
+            verdict = _same_uns(a[k], b[k], f"{where}[{k!r}]")
+            if verdict != "identical":
+                return verdict
+        return "identical"
+    if hasattr(a, "dtype") and a.dtype.names:  # scanpy's record arrays: field by field
+        return "identical" if all(np.array_equal(a[f], b[f], equal_nan=a[f].dtype.kind == "f")
+                                  for f in a.dtype.names) else f"{where} differs"
+    a, b = np.asarray(a), np.asarray(b)
+    return "identical" if np.array_equal(a, b, equal_nan=a.dtype.kind == "f") else f"{where} differs"
+
+
+class DiskPeak(threading.Thread):
+    """Peak of the used space of the file system holding ``path`` above its level at the start, in bytes."""
+
+    def __init__(self, path: Path, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.path, self.period, self.stop_event = path, period, threading.Event()
+        self.start_used = shutil.disk_usage(path).used
+        self.peak = 0
+
+    def run(self):
+        while not self.stop_event.is_set():
+            self.peak = max(self.peak, shutil.disk_usage(self.path).used - self.start_used)
+            self.stop_event.wait(self.period)
+
+    def stop(self) -> int:
+        self.stop_event.set()
+        self.join()
+        return self.peak
 
 
 def main(argv=None) -> int:
@@ -57,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-workers", type=int, default=2)
     ap.add_argument("--chunk-rows", type=int, default=10_000)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/atlasflow-bench-ab"))
+    ap.add_argument("--result", type=Path, default=None, help="markdown result (default bench/results/ab_<stage>.md)")
     args = ap.parse_args(argv)
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +120,10 @@ def main(argv=None) -> int:
                     os.environ["PYTHONPATH"] = str(tree / "src")
                 try:
                     script = [sys.executable, str((tree if label == "A" else ROOT) / "scripts" / f"{args.stage}.py")]
+                    disk = DiskPeak(args.workdir)
+                    disk.start()
                     r = run_stage(args.stage, argv_, args.workdir, script=script)
+                    r["disk_peak"] = disk.stop()
                 finally:
                     os.environ.pop("PYTHONPATH", None)
                     if env_before is not None:
@@ -93,14 +140,17 @@ def main(argv=None) -> int:
     lines = [f"# A/B: `{args.stage}` at {args.rev_a} (A) and {head.strip()} (B)", "",
              f"Input `{args.input}`, {args.n_workers} workers, chunk_rows {args.chunk_rows}, runs alternating "
              f"A B x {args.repeats}. Outputs A0 vs B0: **{verdict}**.", "",
-             "| run | wall s | CPU s | peak RSS sum MiB |", "| --- | ---: | ---: | ---: |"]
+             "| run | wall s | CPU s | peak RSS sum MiB | read MiB | written MiB | peak disk MiB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for i in range(args.repeats):
         for k in ("A", "B"):
             r = runs[k][i]
-            lines.append(f"| {k}{i} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_sum'] / MiB:.0f} |")
+            lines.append(f"| {k}{i} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_sum'] / MiB:.0f} | "
+                         f"{r['io_read_chars'] / MiB:.0f} | {r['io_write_chars'] / MiB:.0f} | "
+                         f"{r['disk_peak'] / MiB:.0f} |")
     lines += ["", f"Median wall: A {med['A']:.1f} s, B {med['B']:.1f} s, B/A = {med['B'] / med['A']:.3f}.", "",
               f"Machine: {machine()}"]
-    out = ROOT / "bench" / "results" / f"ab_{args.stage}.md"
+    out = args.result or ROOT / "bench" / "results" / f"ab_{args.stage}.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -51,6 +51,7 @@ class TreeSampler(threading.Thread):
         self.root, self.period, self.extra = pid, period, dict(extra or {})
         self.peak_sum, self.peak_sum_parts = 0, {}
         self.per_process: dict[int, dict] = {}
+        self.io_chars = {}  # pid -> (read_chars, write_chars) at its last sample: bytes through system calls
         self.stop_event = threading.Event()
 
     def run(self):
@@ -70,6 +71,8 @@ class TreeSampler(threading.Thread):
         for p in procs:
             try:
                 rss = p.memory_info().rss
+                io = p.io_counters()
+                self.io_chars[p.pid] = (io.read_chars, io.write_chars)
                 label = self.extra.get(p.pid) or _label(p, self.root)
                 info = self.per_process.setdefault(p.pid, {"label": label, "peak_rss": 0})
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -83,6 +86,11 @@ class TreeSampler(threading.Thread):
     def stop(self):
         self.stop_event.set()
         self.join()
+
+    def io_totals(self) -> tuple[int, int]:
+        """Bytes read and written through system calls by every sampled process, up to its last sample
+        (mmap'ed reads are not counted)."""
+        return tuple(sum(v[k] for v in self.io_chars.values()) for k in (0, 1))
 
 
 def _label(proc: psutil.Process, root: int) -> str:
@@ -122,6 +130,7 @@ def run_stage(name: str, argv: list[str], logdir: Path, script: list[str] | None
         "peak_rss_sum_parts": {f"{sampler.per_process.get(pid, {}).get('label', '?')} [{pid}]": rss
                                for pid, rss in sampler.peak_sum_parts.items()},
         "per_process": {str(pid): v for pid, v in sampler.per_process.items()},
+        "io_read_chars": sampler.io_totals()[0], "io_write_chars": sampler.io_totals()[1],
         "log": str(log),
     }
     summary_path = _summary_path(argv)

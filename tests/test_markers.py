@@ -207,6 +207,33 @@ def test_gene_major_copy_is_the_transpose(tmp_path):
             assert (got != x.T).nnz == 0
 
 
+def test_gene_blocks_assembled_from_compressed_pieces(tmp_path):
+    """The on-the-fly gene blocks equal X.T: row blocks above 65,535 cells (32-bit cell offsets) and small
+    ones (16-bit), a gene empty everywhere, one starting past cell 65,535, integer values; the scratch pieces are
+    smaller than the raw CSC and gone afterwards."""
+    rng = np.random.default_rng(5)
+    x = sp.random(70_500, 40, density=0.02, format="csr", dtype=np.float64, random_state=rng)
+    x.data = np.ceil(x.data * 7)
+    x = x.tolil()
+    x[:, 3] = 0  # empty everywhere
+    x[:65_600, 9] = 0  # in the first row block only past cell 65,535 (and in the others)
+    x = x.tocsr().astype(np.int32)
+    x.eliminate_zeros()
+    seen = []
+    with dask.config.set(scheduler="synchronous"):
+        for chunks in ((66_000, 4_500), (1_000,) * 70 + (500,)):
+            xd = da.from_array(x, chunks=(chunks, 40), asarray=False)
+            with transpose.gene_blocks(xd, tmp_path, gene_block=6) as xt:
+                scratch = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+                got = sp.vstack([b.compute() for b in xt.to_delayed().ravel()])
+                seen.append(xt.chunks[0])
+            assert got.dtype == np.int32 and got.has_sorted_indices and got.shape == (40, 70_500)
+            assert (got != x.T).nnz == 0
+            assert scratch < 0.8 * (x.data.nbytes + x.indices.nbytes), scratch
+            assert not list(tmp_path.iterdir())
+    assert seen[0] == (6,) * 6 + (4,)
+
+
 def test_wilcoxon_memory_bounded_by_gene_block(tmp_path, monkeypatch):
     """A synthetic matrix 15 row blocks and 30 gene blocks large: no block of more than gene_block genes is
     ever built, and the traced peak stays near that of one plain streaming pass over X (reading a row

@@ -1,28 +1,30 @@
-"""Gene-major copy of a cells x genes matrix: written once, block by block, memory bounded by a block.
+"""Gene-major view of a cells x genes matrix: transposed once, block by block, memory bounded by a block.
 
 Exact per-gene statistics such as the Wilcoxon rank-sum test need every value of one gene at once,
-which row (cell) blocks do not give. As BPCells does, we write the transposed matrix once and read it
-gene block by gene block afterwards. The copy is an ordinary atlasflow store whose X is the
-genes x cells CSR matrix (obs = genes, var = cells), row-chunked in blocks of ``gene_block`` genes.
+which row (cell) blocks do not give. As BPCells does, we transpose the matrix once and read it gene block
+by gene block afterwards. Two passes, both on the workers:
 
-Two passes, both on the workers:
+1. one task per row block of X: convert the block to CSC and save it, compressed, into a scratch folder,
+   cut into one piece per gene block (values: zstd; cell offsets: per-gene deltas, byte-shuffled zstd).
+   The tasks return each gene's non-zero count, which fixes the output layout.
+2. one task per gene block: read and decompress that block's piece from every row block and place the
+   values into a genes x cells CSR matrix by counting (no sort: cells arrive in order).
 
-1. one task per row block of X: convert the block to CSC and save its ``data``/``indices``/``indptr``
-   as ``.npy`` files in a scratch folder. The piece of (row block i, gene block j) is a contiguous
-   slice of row block i's files, so nothing is split or sorted here. The tasks return each gene's
-   non-zero count, which fixes the output layout before anything is assembled.
-2. one task per gene block: memory-map the slices holding its genes from every row block, place them
-   into a genes x cells CSR matrix by counting (no sort: cells arrive in order), and write it to the
-   store at offsets known from pass 1 (``store.write_csr_dask``).
+Pass 2 is a lazy Dask array of gene blocks (``gene_blocks``): the Wilcoxon test ranks each block as it is
+assembled, so the only scratch is pass 1's compressed pieces (about 1.5x the compressed store on the
+benchmark's log-normalised counts). ``write_gene_major`` instead writes the blocks as an ordinary
+atlasflow store (obs = genes, var = cells), kept to be reused by later marker runs on the same matrix.
 
 Memory per task: one row block (pass 1) or one gene block plus one of its pieces (pass 2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -33,6 +35,7 @@ import pandas as pd
 import scipy.sparse as sp
 import zarr
 
+from atlasflow import progress
 from atlasflow.backend import issparse, to_host
 from atlasflow.errors import InputError
 from atlasflow.sources import source_of
@@ -40,7 +43,7 @@ from atlasflow.store import META_KEY, open_store, row_bounds, save_npy, write_st
 
 log = logging.getLogger(__name__)
 
-#: Non-zeros per gene block when ``gene_block`` is chosen automatically: ~16 MB stored, and about
+#: Non-zeros per gene block when ``gene_block`` is chosen automatically: ~16 MB in memory, and about
 #: 100 bytes per non-zero (~200 MB) while the Wilcoxon kernel sorts and ranks the block.
 TARGET_BLOCK_NNZ = 2_000_000
 
@@ -51,6 +54,21 @@ def auto_gene_block(total_nnz: int, n_genes: int, target_nnz: int = TARGET_BLOCK
         return 1
     per_gene = max(total_nnz / n_genes, 1.0)
     return int(min(n_genes, max(1, target_nnz // per_gene)))
+
+
+def stored_nnz(x: da.Array) -> int:
+    """Non-zeros of ``x`` without reading its values: the stored CSR's length when ``x`` was read unchanged
+    from a store, the cells x genes of a stored dense matrix, else estimated from the first row block."""
+    src = source_of(x)
+    if src is not None:
+        try:
+            node = zarr.open_group(src[0], mode="r")[src[1]]
+            return int(node["data"].shape[0]) if isinstance(node, zarr.Group) else int(np.prod(node.shape))
+        except (KeyError, OSError, ValueError):
+            pass
+    first = x.blocks[0].compute()
+    nnz = first.nnz if issparse(first) else int(np.count_nonzero(to_host(first)))
+    return int(nnz * x.shape[0] / max(first.shape[0], 1))
 
 
 def source_signature(x: da.Array) -> dict | None:
@@ -78,6 +96,41 @@ def is_gene_major_of(path: str | os.PathLike, signature: dict | None) -> bool:
     return meta.get("provenance", {}).get("transposed_from") == signature
 
 
+@contextlib.contextmanager
+def gene_blocks(x: da.Array, work_dir: str | os.PathLike, *, gene_block: int | None = None):
+    """Yield the genes x cells CSR matrix of ``x`` (cells x genes, Dask, CSR or dense row blocks) as a lazy
+    Dask array of gene blocks, assembled on demand from compressed pieces in a scratch folder under
+    ``work_dir`` (removed afterwards).
+
+    ``gene_block`` genes per block (default: about ``TARGET_BLOCK_NNZ`` non-zeros per block). Explicit zeros
+    are dropped. The blocks can be computed as often as needed while the context is open.
+    """
+    with _transposed(x, work_dir, gene_block) as (xt, _):
+        yield xt
+
+
+@contextlib.contextmanager
+def _transposed(x: da.Array, work_dir, gene_block: int | None):
+    """``gene_blocks``, also yielding each gene's non-zero count (known after pass 1)."""
+    if not isinstance(x, da.Array) or x.ndim != 2:
+        raise InputError("transpose: the matrix must be a 2-D Dask array (open the store with open_store)")
+    n_cells, n_genes = (int(s) for s in x.shape)
+    if x.numblocks[1] != 1:
+        x = x.rechunk({1: -1})
+    if gene_block is None:
+        gene_block = auto_gene_block(stored_nnz(x), n_genes)
+    gene_block = max(1, min(int(gene_block), max(n_genes, 1)))
+    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".atlasflow-genes-", dir=work_dir))
+    try:
+        gene_nnz = _save_row_blocks(x, scratch, gene_block)
+        row_starts = np.concatenate([[0], np.cumsum(x.chunks[0])]).astype(np.int64)
+        xt = _assembled(scratch, len(x.chunks[0]), row_starts, n_cells, n_genes, gene_block, x.dtype)
+        yield xt, gene_nnz
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def write_gene_major(
     x: da.Array,
     path: str | os.PathLike,
@@ -86,37 +139,22 @@ def write_gene_major(
     obs_names=None,
     var_names=None,
 ) -> Path:
-    """Write the genes x cells CSR copy of ``x`` (cells x genes, Dask, CSR or dense row blocks) to ``path``.
+    """Write the genes x cells CSR copy of ``x`` (see ``gene_blocks``) to the store ``path``, to be reused.
 
-    ``gene_block`` genes per output block (default: about ``TARGET_BLOCK_NNZ`` non-zeros per block).
-    Explicit zeros are dropped. The store is written atomically and records where it came from.
+    The store is written atomically and records where it came from (``source_signature``).
     """
-    if not isinstance(x, da.Array) or x.ndim != 2:
-        raise InputError("transpose: the matrix must be a 2-D Dask array (open the store with open_store)")
     path = Path(path)
-    n_cells, n_genes = (int(s) for s in x.shape)
-    if x.numblocks[1] != 1:
-        x = x.rechunk({1: -1})
-    scratch = path.with_name(f".{path.name}.pieces-{uuid.uuid4().hex[:8]}")
-    scratch.mkdir(parents=True)
-    try:
-        gene_nnz = _save_row_blocks(x, scratch)
-        if gene_block is None:
-            gene_block = auto_gene_block(int(gene_nnz.sum()), n_genes)
-        gene_block = max(1, min(int(gene_block), max(n_genes, 1)))
-        row_starts = np.concatenate([[0], np.cumsum(x.chunks[0])]).astype(np.int64)
-        xt = _assembled(scratch, len(x.chunks[0]), row_starts, n_cells, n_genes, gene_block, x.dtype)
+    with _transposed(x, path.parent, gene_block) as (xt, gene_nnz):
+        n_genes, n_cells = xt.shape
         obs = pd.DataFrame(index=pd.Index(_names(var_names, n_genes), name=None))
         var = pd.DataFrame(index=pd.Index(_names(obs_names, n_cells), name=None))
-        sig = source_signature(x)
         write_store(
-            ad.AnnData(X=xt, obs=obs, var=var), path, chunk_rows=gene_block, row_nnz={"X": gene_nnz},
-            provenance={"stage": "transpose", "transposed_from": sig, "gene_block": gene_block},
+            ad.AnnData(X=xt, obs=obs, var=var), path, chunk_rows=xt.chunks[0][0], row_nnz={"X": gene_nnz},
+            provenance={"stage": "transpose", "transposed_from": source_signature(x),
+                        "gene_block": xt.chunks[0][0]},
         )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    log.info("transpose: wrote %d genes x %d cells (%d non-zeros) in blocks of %d genes to %s",
-             n_genes, n_cells, int(gene_nnz.sum()), gene_block, path)
+        log.info("transpose: wrote %d genes x %d cells (%d non-zeros) in blocks of %d genes to %s",
+                 n_genes, n_cells, int(gene_nnz.sum()), xt.chunks[0][0], path)
     return path
 
 
@@ -131,29 +169,64 @@ def _names(names, n: int) -> list[str]:
     return [str(v) for v in names]
 
 
+# ------------------------------------------------------------------------------------------ codecs
+
+
+def _codecs():
+    """(values, cell offsets) codecs of the scratch pieces. Values: zstd level 3, which finds the repeated
+    float values of log-normalised counts (0.59 of their size on the 100k benchmark's pieces, level 1 0.82);
+    cell offsets: small per-gene deltas, byte-shuffled zstd level 1 (0.26 of their size)."""
+    import numcodecs
+
+    return numcodecs.Zstd(level=3), numcodecs.Blosc("zstd", 1, numcodecs.Blosc.SHUFFLE)
+
+
+def _offset_dtype(n_rows: int):
+    return np.uint16 if n_rows <= np.iinfo(np.uint16).max else np.uint32
+
+
 # ------------------------------------------------------------------------------------------ pass 1
 
 
-def _save_row_blocks(x: da.Array, scratch: Path) -> np.ndarray:
-    """Pass 1: every row block saved as CSC ``.npy`` files; returns the non-zeros of each gene."""
+def _save_row_blocks(x: da.Array, scratch: Path, gene_block: int) -> np.ndarray:
+    """Pass 1: every row block saved as compressed CSC pieces; returns the non-zeros of each gene."""
     m = x.shape[1]
     parts = x.map_blocks(
-        _save_csc, str(scratch),
+        _save_pieces, str(scratch), gene_block,
         chunks=((1,) * x.numblocks[0], (m,)), dtype=np.int64, meta=np.empty((0, 0), np.int64),
     )
-    return np.asarray(parts.sum(axis=0).compute(), dtype=np.int64)
+    (nnz,) = progress.compute(parts.sum(axis=0), label="transposing X (pass 1 of 2)")
+    return np.asarray(nnz, dtype=np.int64)
 
 
-def _save_csc(block, scratch: str, block_info=None) -> np.ndarray:
+def _save_pieces(block, scratch: str, gene_block: int, block_info=None) -> np.ndarray:
+    """Row block ``i`` as ``i.indptr.npy`` (its CSC indptr), ``i.pieces`` (per gene block: the compressed values,
+    then the compressed cell offsets) and ``i.bounds.npy`` (byte offsets of those buffers in ``i.pieces``)."""
     i = block_info[0]["chunk-location"][0]
     block = to_host(block)
     csc = sp.csc_matrix(block) if issparse(block) else sp.csc_matrix(np.asarray(block))
     csc.eliminate_zeros()
     csc.sort_indices()
-    for name, arr in (("data", csc.data), ("indices", csc.indices.astype(np.int32, copy=False)),
-                      ("indptr", csc.indptr.astype(np.int64, copy=False))):
-        save_npy(Path(scratch, f"{i}.{name}.npy"), arr)
-    return np.diff(csc.indptr).astype(np.int64).reshape(1, -1)
+    indptr = csc.indptr.astype(np.int64, copy=False)
+    cells = csc.indices.astype(np.int64, copy=False)
+    deltas = cells.copy()  # a gene's first cell as it is, then the step to the next
+    deltas[1:] -= cells[:-1]
+    starts = indptr[:-1][np.diff(indptr) > 0]
+    deltas[starts] = cells[starts]
+    deltas = deltas.astype(_offset_dtype(block.shape[0]))
+    values_codec, offsets_codec = _codecs()
+    cuts = indptr[[lo for lo, _ in row_bounds(csc.shape[1], gene_block)] + [csc.shape[1]]]
+    bufs = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        bufs += [values_codec.encode(np.ascontiguousarray(csc.data[a:b])), offsets_codec.encode(deltas[a:b])]
+    tmp = Path(scratch, f".{i}.pieces.{uuid.uuid4().hex[:6]}")
+    with open(tmp, "wb") as fh:
+        for buf in bufs:
+            fh.write(buf)
+    os.replace(tmp, Path(scratch, f"{i}.pieces"))
+    save_npy(Path(scratch, f"{i}.bounds.npy"), np.concatenate([[0], np.cumsum([len(b) for b in bufs])]))
+    save_npy(Path(scratch, f"{i}.indptr.npy"), indptr)
+    return np.diff(indptr).reshape(1, -1)
 
 
 # ------------------------------------------------------------------------------------------ pass 2
@@ -165,16 +238,17 @@ def _assembled(scratch: Path, n_row_blocks: int, row_starts, n_cells: int, n_gen
     name = f"gene-major-{uuid.uuid4().hex}"
     bounds = row_bounds(n_genes, gene_block)
     dsk = {
-        (name, j, 0): (assemble_gene_block, str(scratch), n_row_blocks, lo, hi, row_starts, n_cells, np.dtype(dtype))
+        (name, j, 0): (assemble_gene_block, str(scratch), n_row_blocks, j, lo, hi, row_starts, n_cells,
+                       np.dtype(dtype))
         for j, (lo, hi) in enumerate(bounds)
     }
     chunks = (tuple(hi - lo for lo, hi in bounds), (n_cells,))
     return da.Array(dsk, name, chunks=chunks, meta=sp.csr_matrix((0, 0), dtype=dtype))
 
 
-def assemble_gene_block(scratch: str, n_row_blocks: int, lo: int, hi: int, row_starts, n_cells: int,
+def assemble_gene_block(scratch: str, n_row_blocks: int, j: int, lo: int, hi: int, row_starts, n_cells: int,
                         dtype) -> sp.csr_matrix:
-    """Genes ``lo:hi`` x all cells as CSR, gathered from the row blocks' CSC files (cells stay sorted)."""
+    """Genes ``lo:hi`` (gene block ``j``) x all cells as CSR, gathered from every row block's piece ``j``."""
     g = hi - lo
     ptrs = [np.load(Path(scratch, f"{i}.indptr.npy"), mmap_mode="r")[lo : hi + 1].astype(np.int64)
             for i in range(n_row_blocks)]
@@ -184,15 +258,25 @@ def assemble_gene_block(scratch: str, n_row_blocks: int, lo: int, hi: int, row_s
     data = np.empty(int(indptr[-1]), dtype=dtype)
     indices = np.empty(int(indptr[-1]), dtype=np.int32)
     fill = indptr[:-1].copy()  # next free slot of each gene
+    values_codec, offsets_codec = _codecs()
     for i, p in enumerate(ptrs):
-        a, b = int(p[0]), int(p[-1])
-        if b == a:
+        n = int(p[-1] - p[0])
+        if n == 0:
             continue
-        vals = np.load(Path(scratch, f"{i}.data.npy"), mmap_mode="r")[a:b]
-        cells = np.load(Path(scratch, f"{i}.indices.npy"), mmap_mode="r")[a:b]
+        bounds = np.load(Path(scratch, f"{i}.bounds.npy"), mmap_mode="r")[2 * j : 2 * j + 3]
+        with open(Path(scratch, f"{i}.pieces"), "rb") as fh:
+            fh.seek(int(bounds[0]))
+            raw = fh.read(int(bounds[2] - bounds[0]))
+        cut = int(bounds[1] - bounds[0])
+        vals = np.frombuffer(values_codec.decode(raw[:cut]), dtype=dtype)
+        steps = np.frombuffer(offsets_codec.decode(raw[cut:]), dtype=_offset_dtype(int(row_starts[i + 1] -
+                                                                                     row_starts[i])))
         gene = np.repeat(np.arange(g), counts[i])
-        dest = fill[gene] + (np.arange(b - a, dtype=np.int64) - (p[gene] - a))
+        within = np.arange(n, dtype=np.int64) - (p[gene] - p[0])  # position of each value inside its gene
+        cum = np.cumsum(steps, dtype=np.int64)
+        cells = cum - (cum - steps)[(p[gene] - p[0])]  # undo the deltas gene by gene
+        dest = fill[gene] + within
         data[dest] = vals
-        indices[dest] = cells + np.int32(row_starts[i])
+        indices[dest] = (cells + row_starts[i]).astype(np.int32)
         fill += counts[i]
     return sp.csr_matrix((data, indices, indptr), shape=(g, n_cells))

@@ -1,18 +1,18 @@
-"""Exact Wilcoxon rank-sum test out of core, over a gene-major copy of X written once.
+"""Exact Wilcoxon rank-sum test out of core, over a gene-major view of X made once.
 
-scanpy densifies blocks of genes over all cells and ranks them. We instead read the gene-major copy
-(``atlasflow.transpose``) one gene block at a time and rank only each gene's stored non-zeros: all
-zeros of a sparse column share one tied rank, placed analytically (``kernels.gene_block_ranks``).
-Rank sums are sums of half-integers, exact in float64, so scores and p-values equal scanpy's up to
-the last bits of the normal approximation. The same pass yields per-group sums and non-zero counts
-(for log fold changes and pts), so X itself is read once, by the transposition.
+scanpy densifies blocks of genes over all cells and ranks them. We instead transpose X once
+(``atlasflow.transpose``) and rank each gene block as it is assembled, ranking only each gene's stored
+non-zeros: all zeros of a sparse column share one tied rank, placed analytically
+(``kernels.gene_block_ranks``). Rank sums are sums of half-integers, exact in float64, so scores and
+p-values equal scanpy's up to the last bits of the normal approximation. The same pass yields per-group
+sums and non-zero counts (for log fold changes and pts), so X itself is read once, by the transposition.
+A gene-major copy kept with ``gene_major=`` is written as a store and reused by later runs on the same X.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -24,46 +24,39 @@ from atlasflow import kernels, progress
 from atlasflow.errors import InputError
 from atlasflow.sources import source_of
 from atlasflow.tl._groups import Design, GroupStats
-from atlasflow.transpose import is_gene_major_of, open_gene_major, source_signature, write_gene_major
+from atlasflow.transpose import gene_blocks, is_gene_major_of, open_gene_major, source_signature, write_gene_major
 
 log = logging.getLogger("atlasflow.tl.markers")
 
 
 @contextlib.contextmanager
-def gene_major_copy(x, *, gene_major=None, gene_block=None, work_dir=None, obs_names=None, var_names=None):
-    """Yield the path of a gene-major copy of ``x``: reused or written at ``gene_major`` (kept), else temporary.
+def gene_major(x, *, keep=None, gene_block=None, work_dir=None, obs_names=None, var_names=None):
+    """Yield the genes x cells matrix of ``x`` as a lazy Dask array of gene blocks.
 
-    A temporary copy goes next to the store X was read from (a shared file system for the workers) or
-    into ``work_dir``, and is removed afterwards.
+    With ``keep`` (a path), a store copy there is reused if it is of this X, else written there and read.
+    Without it the blocks are assembled on the fly from compressed scratch pieces, written next to the
+    store X was read from (a shared file system for the workers) or into ``work_dir``, removed afterwards.
     """
-    sig = source_signature(x)
-    if gene_major is not None:
-        path = Path(gene_major)
-        if is_gene_major_of(path, sig):
+    if keep is not None:
+        path = Path(keep)
+        if is_gene_major_of(path, source_signature(x)):
             log.info("wilcoxon: reusing the gene-major copy %s", path)
         else:
             write_gene_major(x, path, gene_block=gene_block, obs_names=obs_names, var_names=var_names)
-        yield path
+        yield open_gene_major(path)
         return
     if work_dir is None:
         src = source_of(x)
         work_dir = Path(src[0]).parent if src else Path(tempfile.gettempdir())
-    Path(work_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".atlasflow-genes-", dir=work_dir))
-    try:
-        path = write_gene_major(x, tmp / "genes.zarr", gene_block=gene_block, obs_names=obs_names,
-                                var_names=var_names)
-        yield path
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with gene_blocks(x, work_dir, gene_block=gene_block) as xg:
+        yield xg
 
 
-def rank_pass(path, d: Design):
-    """One pass over the gene-major copy: per-group stats and each tested group's rank sums and tie factors."""
-    xg = open_gene_major(path)
+def rank_pass(xg, d: Design):
+    """One pass over the gene blocks ``xg``: per-group stats and each tested group's rank sums and tie factors."""
     n_genes, n_cells = xg.shape
     if n_cells != d.codes.shape[0]:
-        raise InputError(f"gene_major: {path} has {n_cells} cells, the data have {d.codes.shape[0]}")
+        raise InputError(f"gene_major: the gene-major matrix has {n_cells} cells, the data have {d.codes.shape[0]}")
     k, tested = d.n_codes, d.tested
     ncols = 2 * k + 2 * len(tested) + 1
     res = kernels.per_row(xg, kernels.gene_block_ranks, ncols, dask.delayed(d.codes), k, d.sizes, tested,

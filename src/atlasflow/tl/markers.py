@@ -2,7 +2,7 @@
 
 * ``t-test`` / ``t-test_overestim_var``: one pass over X for per-group sums, sums of squares and
   non-zero counts (``_ttest``).
-* ``wilcoxon``: exact rank-sum test over a gene-major copy of X written once (``_wilcoxon``).
+* ``wilcoxon``: exact rank-sum test over a gene-major view of X, transposed once (``_wilcoxon``).
 * ``logreg``: multinomial logistic regression by L-BFGS with per-block loss/gradient (``_logreg``).
 
 ``uns[key_added]`` holds ``names``, ``scores``, ``logfoldchanges``, ``pvals``, ``pvals_adj`` as
@@ -204,9 +204,9 @@ def compute_markers(
         st = st if cols is None else st.subset(cols)
         results = list(_ttest.t_test(st, d, method))
     elif method == "wilcoxon":
-        with _wilcoxon.gene_major_copy(x, gene_major=gene_major, gene_block=gene_block, work_dir=work_dir,
-                                       obs_names=adata.obs_names, var_names=adata.var_names) as path:
-            st, rank_sums, ties = _wilcoxon.rank_pass(path, d)
+        with _wilcoxon.gene_major(x, keep=gene_major, gene_block=gene_block, work_dir=work_dir,
+                                  obs_names=adata.obs_names, var_names=adata.var_names) as xg:
+            st, rank_sums, ties = _wilcoxon.rank_pass(xg, d)
         if cols is not None:
             st, rank_sums, ties = st.subset(cols), rank_sums[:, cols], ties[:, cols]
         results = list(_wilcoxon.wilcoxon(rank_sums, ties, d, tie_correct=tie_correct))
