@@ -77,9 +77,11 @@ def _gene_block_ranks_sorted(block, codes, n_codes: int, sizes, tested, referenc
 def _gene_block_ranks_rest(block, codes, n_codes: int, sizes, tested):
     """``gene_block_ranks`` with ``reference=None`` on a NumPy block, each gene's non-zeros ranked on their own.
 
-    Two numba loops around NumPy's argsort of each gene's values (SIMD, ~2x numba's sort): the same numbers
-    as the vectorised path (rank sums are sums of half-integers, exact in any order; group sums and tie
-    terms are added in the same order).
+    float32 values without NaN (log-normalised X) are sorted by a radix sort of their bits, carrying each
+    value's group code (``_radix_ranks_kernel``: ~5x faster than argsort and a gather through its order);
+    other values by NumPy's argsort of each gene's values. The same numbers as the vectorised path either
+    way (rank sums are sums of half-integers, exact in any order; group sums and tie terms are added in the
+    same order).
     """
     g_rows = block.shape[0]
     n_all = float(sizes.sum())
@@ -91,11 +93,14 @@ def _gene_block_ranks_rest(block, codes, n_codes: int, sizes, tested):
     ptr = np.zeros(g_rows + 1, dtype=np.int64)
     compact(np.asarray(block.indptr, dtype=np.int64), block.indices, block.data, np.asarray(codes, dtype=np.int64),
             block.data.dtype.kind == "f", vals, cods, ptr, sums, nnz, n_neg, not_counts)
-    order = np.empty(int(ptr[-1]), dtype=np.int64)
-    for r in range(g_rows):
-        lo, hi = ptr[r], ptr[r + 1]
-        order[lo:hi] = np.argsort(vals[lo:hi])
-    ranks(vals, cods, ptr, order, n_all, per_code, tsum)
+    if vals.dtype == np.float32 and not np.isnan(vals[: ptr[-1]]).any():
+        _radix_ranks_kernel()(vals.view(np.uint32), cods, ptr, n_all, per_code, tsum)
+    else:
+        order = np.empty(int(ptr[-1]), dtype=np.int64)
+        for r in range(g_rows):
+            lo, hi = ptr[r], ptr[r + 1]
+            order[lo:hi] = np.argsort(vals[lo:hi])
+        ranks(vals, cods, ptr, order, n_all, per_code, tsum)
     zero_rank = n_neg + (n_all - np.diff(ptr) + 1.0) / 2.0
     return _against_rest(sums, nnz, per_code, zero_rank, tsum, not_counts, sizes, tested, n_all)
 
@@ -168,6 +173,79 @@ def _rest_ranks_kernels():
 
         _REST_RANKS_KERNELS = compact, ranks
     return _REST_RANKS_KERNELS
+
+
+_RADIX_RANKS_KERNEL = None
+
+#: Bits per pass of the radix sort: three passes over 32-bit keys, 2,048 buckets each.
+RADIX_BITS = 11
+
+
+def _radix_ranks_kernel():
+    """numba: ``_rest_ranks_kernels``' ``ranks`` for float32 values without NaN, each gene's values sorted by
+    an LSD radix sort of order-preserving keys (the float bits with the sign bit flipped, all bits for
+    negatives) that carries the group codes along, so the tie groups are then walked in memory order.
+    Passes whose digit is the same for every key of a gene are skipped."""
+    global _RADIX_RANKS_KERNEL
+    if _RADIX_RANKS_KERNEL is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def radix_ranks(bits, cods, ptr, n_all, per_code, tsum):
+            n_max = 0
+            for r in range(ptr.shape[0] - 1):
+                n_max = max(n_max, ptr[r + 1] - ptr[r])
+            nb = 1 << RADIX_BITS
+            mask = np.uint32(nb - 1)
+            keys, keys2 = np.empty(n_max, np.uint32), np.empty(n_max, np.uint32)
+            cs, cs2 = np.empty(n_max, np.int64), np.empty(n_max, np.int64)
+            hist = np.zeros((3, nb), np.int64)
+            for r in range(ptr.shape[0] - 1):
+                lo, hi = ptr[r], ptr[r + 1]
+                n = hi - lo
+                hist[:] = 0
+                for q in range(n):
+                    b = bits[lo + q]
+                    k = b ^ np.uint32(0xFFFFFFFF) if b >> np.uint32(31) else b ^ np.uint32(0x80000000)
+                    keys[q] = k
+                    cs[q] = cods[lo + q]
+                    for d in range(3):
+                        hist[d, (k >> np.uint32(RADIX_BITS * d)) & mask] += 1
+                src_k, src_c, dst_k, dst_c = keys, cs, keys2, cs2
+                for d in range(3):
+                    if n == 0 or hist[d].max() == n:  # one bucket holds every key: the pass changes nothing
+                        continue
+                    total = 0
+                    for i in range(nb):
+                        c = hist[d, i]
+                        hist[d, i] = total
+                        total += c
+                    shift = np.uint32(RADIX_BITS * d)
+                    for q in range(n):
+                        k = src_k[q]
+                        i = (k >> shift) & mask
+                        dst_k[hist[d, i]] = k
+                        dst_c[hist[d, i]] = src_c[q]
+                        hist[d, i] += 1
+                    src_k, src_c, dst_k, dst_c = dst_k, dst_c, src_k, src_c
+                z = n_all - n
+                acc = 0.0
+                g0 = 0
+                while g0 < n:
+                    k0 = src_k[g0]
+                    g1 = g0 + 1
+                    while g1 < n and src_k[g1] == k0:
+                        g1 += 1
+                    cnt = float(g1 - g0)
+                    rank = float(g0) + (cnt + 1.0) / 2.0 + (z if k0 > np.uint32(0x80000000) else 0.0)
+                    for q in range(g0, g1):
+                        per_code[r, src_c[q]] += rank
+                    acc += cnt**3.0 - cnt
+                    g0 = g1
+                tsum[r] = acc + (z**3.0 - z)
+
+        _RADIX_RANKS_KERNEL = radix_ranks
+    return _RADIX_RANKS_KERNEL
 
 
 def _ranks_sorted(values, rows, n_rows: int, n_cells: float):

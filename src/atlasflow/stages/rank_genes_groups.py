@@ -46,10 +46,11 @@ def add_arguments(p):
     p.add_argument("--layer", default=None, help="test this layer instead of X")
     p.add_argument("--mask-var", dest="mask_var", default=None, help="boolean var column: test only these genes")
     p.add_argument("--gene-block", dest="gene_block", type=int, default=None,
-                   help="wilcoxon: genes per block of the gene-major copy (none: ~2M non-zeros per block)")
+                   help="wilcoxon: genes per block of the transposed X (none: ~2M non-zeros per block)")
     p.add_argument("--gene-major", dest="gene_major", default=None,
                    help="wilcoxon: keep the gene-major copy of X here and reuse it when it matches the input "
-                        "(none: a temporary copy next to the output, removed afterwards)")
+                        "(none: no copy; X is transposed into compressed scratch pieces next to the output, removed "
+                        "afterwards)")
     p.add_argument("--max-iter", dest="max_iter", type=int, default=100, help="logreg: L-BFGS iterations")
     p.add_argument("--C", dest="C", type=float, default=1.0, help="logreg: inverse L2 regularisation strength")
     p.add_argument("--tol", dest="tol", type=float, default=1e-4, help="logreg: gradient tolerance")

@@ -287,8 +287,8 @@ def rank_genes_groups(
     Expects log-normalised data (warns, as scanpy, when X looks like raw counts). Parameters are
     scanpy's (no ``use_raw``: stores have no ``.raw``; ``layer`` instead); groups with fewer than two
     cells are skipped with a warning instead of failing. Out-of-core extras: ``gene_block`` (genes per
-    block of the Wilcoxon gene-major copy; default ~2M non-zeros per block), ``gene_major`` (path where
-    that copy is kept and reused; default a temporary copy), ``work_dir`` (where a temporary copy goes),
+    block of the Wilcoxon's transposed X; default ~2M non-zeros per block), ``gene_major`` (path where a
+    gene-major copy is kept and reused; default none: compressed scratch pieces), ``work_dir`` (where those go),
     ``persist`` (logreg: keep X in worker memory between iterations). ``kwds`` go to logreg
     (``C``, ``max_iter``, ``tol``; fitted by L-BFGS over per-block partials, float64 throughout, so
     coefficients match sklearn's closely but not bitwise: see ``atlasflow.tl._logreg``).
