@@ -36,6 +36,8 @@ def warm() -> None:
     kernels.scaled_gram_and_sums(x, mean, std, True, 10.0, np.float32)
     codes = np.array([0, 0, 0, 1, 1, 1])
     kernels.gene_block_ranks(x.T.tocsr(), codes, 2, np.array([3.0, 3.0]), [0, 1], None)
+    kernels.place_gene_runs(x.data, np.ones(x.nnz, np.uint16), np.array([x.nnz], np.uint32),
+                            np.zeros(1, np.int64), 0, np.empty_like(x.data), np.empty(x.nnz, np.int32))
 
 
 def in_subprocess(timeout: float = 600) -> None:

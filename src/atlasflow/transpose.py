@@ -5,7 +5,8 @@ which row (cell) blocks do not give. As BPCells does, we transpose the matrix on
 by gene block afterwards. Two passes, both on the workers:
 
 1. one task per row block of X: convert the block to CSC and save it, compressed, into a scratch folder,
-   cut into one piece per gene block (values: zstd; cell offsets: per-gene deltas, byte-shuffled zstd).
+   cut into one piece per gene block (values: zstd; cells as per-gene steps and values per gene:
+   byte-shuffled zstd).
    The tasks return each gene's non-zero count, which fixes the output layout.
 2. one task per gene block: read and decompress that block's piece from every row block and place the
    values into a genes x cells CSR matrix by counting (no sort: cells arrive in order).
@@ -35,7 +36,7 @@ import pandas as pd
 import scipy.sparse as sp
 import zarr
 
-from atlasflow import progress
+from atlasflow import kernels, progress
 from atlasflow.backend import issparse, to_host
 from atlasflow.errors import InputError
 from atlasflow.sources import source_of
@@ -123,9 +124,9 @@ def _transposed(x: da.Array, work_dir, gene_block: int | None):
     Path(work_dir).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".atlasflow-genes-", dir=work_dir))
     try:
-        gene_nnz = _save_row_blocks(x, scratch, gene_block)
+        gene_nnz, bounds = _save_row_blocks(x, scratch, gene_block)
         row_starts = np.concatenate([[0], np.cumsum(x.chunks[0])]).astype(np.int64)
-        xt = _assembled(scratch, len(x.chunks[0]), row_starts, n_cells, n_genes, gene_block, x.dtype)
+        xt = _assembled(scratch, row_starts, gene_nnz, bounds, gene_block, x.dtype)
         yield xt, gene_nnz
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -173,110 +174,106 @@ def _names(names, n: int) -> list[str]:
 
 
 def _codecs():
-    """(values, cell offsets) codecs of the scratch pieces. Values: zstd level 3, which finds the repeated
-    float values of log-normalised counts (0.59 of their size on the 100k benchmark's pieces, level 1 0.82);
-    cell offsets: small per-gene deltas, byte-shuffled zstd level 1 (0.26 of their size)."""
+    """(values, cell steps, counts) codecs of the scratch pieces. Values: zstd level 3, which finds the
+    repeated float values of log-normalised counts (0.59 of their size on the 100k benchmark's pieces, level 1
+    0.82); cell steps (small: per-gene deltas) and values per gene: byte-shuffled zstd level 1 (0.26)."""
     import numcodecs
 
-    return numcodecs.Zstd(level=3), numcodecs.Blosc("zstd", 1, numcodecs.Blosc.SHUFFLE)
+    shuffled = numcodecs.Blosc("zstd", 1, numcodecs.Blosc.SHUFFLE)
+    return numcodecs.Zstd(level=3), shuffled, shuffled
 
 
-def _offset_dtype(n_rows: int):
+def _step_dtype(n_rows: int):
     return np.uint16 if n_rows <= np.iinfo(np.uint16).max else np.uint32
 
 
 # ------------------------------------------------------------------------------------------ pass 1
 
 
-def _save_row_blocks(x: da.Array, scratch: Path, gene_block: int) -> np.ndarray:
-    """Pass 1: every row block saved as compressed CSC pieces; returns the non-zeros of each gene."""
+def _save_row_blocks(x: da.Array, scratch: Path, gene_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 1: every row block saved as compressed pieces, one per gene block (``_save_pieces``). Returns
+    the non-zeros of each gene and the (row blocks, 3 x gene blocks + 1) byte offsets of every buffer."""
     m = x.shape[1]
     parts = x.map_blocks(
         _save_pieces, str(scratch), gene_block,
         chunks=((1,) * x.numblocks[0], (m,)), dtype=np.int64, meta=np.empty((0, 0), np.int64),
     )
     (nnz,) = progress.compute(parts.sum(axis=0), label="transposing X (pass 1 of 2)")
-    return np.asarray(nnz, dtype=np.int64)
+    bounds = np.stack([np.load(Path(scratch, f"{i}.bounds.npy")) for i in range(x.numblocks[0])])
+    return np.asarray(nnz, dtype=np.int64), bounds
 
 
 def _save_pieces(block, scratch: str, gene_block: int, block_info=None) -> np.ndarray:
-    """Row block ``i`` as ``i.indptr.npy`` (its CSC indptr), ``i.pieces`` (per gene block: the compressed values,
-    then the compressed cell offsets) and ``i.bounds.npy`` (byte offsets of those buffers in ``i.pieces``)."""
+    """Row block ``i`` as ``i.pieces``: per gene block its values, cell steps and values per gene (CSC order,
+    each compressed) one after the other, and ``i.bounds.npy``, the byte offsets of those buffers."""
     i = block_info[0]["chunk-location"][0]
     block = to_host(block)
     csc = sp.csc_matrix(block) if issparse(block) else sp.csc_matrix(np.asarray(block))
     csc.eliminate_zeros()
     csc.sort_indices()
     indptr = csc.indptr.astype(np.int64, copy=False)
+    counts = np.diff(indptr)
     cells = csc.indices.astype(np.int64, copy=False)
-    deltas = cells.copy()  # a gene's first cell as it is, then the step to the next
-    deltas[1:] -= cells[:-1]
-    starts = indptr[:-1][np.diff(indptr) > 0]
-    deltas[starts] = cells[starts]
-    deltas = deltas.astype(_offset_dtype(block.shape[0]))
-    values_codec, offsets_codec = _codecs()
-    cuts = indptr[[lo for lo, _ in row_bounds(csc.shape[1], gene_block)] + [csc.shape[1]]]
+    steps = cells.copy()  # a gene's first cell as it is, then the step from the previous one
+    steps[1:] -= cells[:-1]
+    starts = indptr[:-1][counts > 0]
+    steps[starts] = cells[starts]
+    steps = steps.astype(_step_dtype(block.shape[0]))
+    counts32 = counts.astype(np.uint32)
+    values_codec, steps_codec, counts_codec = _codecs()
     bufs = []
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        bufs += [values_codec.encode(np.ascontiguousarray(csc.data[a:b])), offsets_codec.encode(deltas[a:b])]
+    for lo, hi in row_bounds(csc.shape[1], gene_block):
+        a, b = indptr[lo], indptr[hi]
+        bufs += [values_codec.encode(np.ascontiguousarray(csc.data[a:b])), steps_codec.encode(steps[a:b]),
+                 counts_codec.encode(counts32[lo:hi])]
     tmp = Path(scratch, f".{i}.pieces.{uuid.uuid4().hex[:6]}")
     with open(tmp, "wb") as fh:
         for buf in bufs:
             fh.write(buf)
     os.replace(tmp, Path(scratch, f"{i}.pieces"))
     save_npy(Path(scratch, f"{i}.bounds.npy"), np.concatenate([[0], np.cumsum([len(b) for b in bufs])]))
-    save_npy(Path(scratch, f"{i}.indptr.npy"), indptr)
-    return np.diff(indptr).reshape(1, -1)
+    return counts.reshape(1, -1)
 
 
 # ------------------------------------------------------------------------------------------ pass 2
 
 
-def _assembled(scratch: Path, n_row_blocks: int, row_starts, n_cells: int, n_genes: int, gene_block: int,
+def _assembled(scratch: Path, row_starts, gene_nnz: np.ndarray, bounds: np.ndarray, gene_block: int,
                dtype) -> da.Array:
     """Pass 2 as a lazy Dask array: one task per gene block builds its genes x cells CSR matrix."""
     name = f"gene-major-{uuid.uuid4().hex}"
-    bounds = row_bounds(n_genes, gene_block)
+    n_genes, n_cells = gene_nnz.shape[0], int(row_starts[-1])
+    blocks = row_bounds(n_genes, gene_block)
     dsk = {
-        (name, j, 0): (assemble_gene_block, str(scratch), n_row_blocks, j, lo, hi, row_starts, n_cells,
-                       np.dtype(dtype))
-        for j, (lo, hi) in enumerate(bounds)
+        (name, j, 0): (assemble_gene_block, str(scratch), np.ascontiguousarray(bounds[:, 3 * j : 3 * j + 4]),
+                       gene_nnz[lo:hi].copy(), row_starts, np.dtype(dtype))
+        for j, (lo, hi) in enumerate(blocks)
     }
-    chunks = (tuple(hi - lo for lo, hi in bounds), (n_cells,))
+    chunks = (tuple(hi - lo for lo, hi in blocks), (n_cells,))
     return da.Array(dsk, name, chunks=chunks, meta=sp.csr_matrix((0, 0), dtype=dtype))
 
 
-def assemble_gene_block(scratch: str, n_row_blocks: int, j: int, lo: int, hi: int, row_starts, n_cells: int,
+def assemble_gene_block(scratch: str, bounds: np.ndarray, gene_nnz: np.ndarray, row_starts,
                         dtype) -> sp.csr_matrix:
-    """Genes ``lo:hi`` (gene block ``j``) x all cells as CSR, gathered from every row block's piece ``j``."""
-    g = hi - lo
-    ptrs = [np.load(Path(scratch, f"{i}.indptr.npy"), mmap_mode="r")[lo : hi + 1].astype(np.int64)
-            for i in range(n_row_blocks)]
-    counts = np.array([np.diff(p) for p in ptrs]).reshape(n_row_blocks, g)
+    """One gene block x all cells as CSR, from its piece in every row block (``bounds``: each row block's
+    byte offsets of the piece's three buffers and its end); cells arrive in order, so nothing is sorted."""
+    g = gene_nnz.shape[0]
     indptr = np.zeros(g + 1, dtype=np.int64)
-    np.cumsum(counts.sum(axis=0), out=indptr[1:])
+    np.cumsum(gene_nnz, out=indptr[1:])
     data = np.empty(int(indptr[-1]), dtype=dtype)
     indices = np.empty(int(indptr[-1]), dtype=np.int32)
     fill = indptr[:-1].copy()  # next free slot of each gene
-    values_codec, offsets_codec = _codecs()
-    for i, p in enumerate(ptrs):
-        n = int(p[-1] - p[0])
-        if n == 0:
-            continue
-        bounds = np.load(Path(scratch, f"{i}.bounds.npy"), mmap_mode="r")[2 * j : 2 * j + 3]
+    codecs = _codecs()
+    for i, (start, *cuts) in enumerate(bounds):
         with open(Path(scratch, f"{i}.pieces"), "rb") as fh:
-            fh.seek(int(bounds[0]))
-            raw = fh.read(int(bounds[2] - bounds[0]))
-        cut = int(bounds[1] - bounds[0])
-        vals = np.frombuffer(values_codec.decode(raw[:cut]), dtype=dtype)
-        steps = np.frombuffer(offsets_codec.decode(raw[cut:]), dtype=_offset_dtype(int(row_starts[i + 1] -
-                                                                                     row_starts[i])))
-        gene = np.repeat(np.arange(g), counts[i])
-        within = np.arange(n, dtype=np.int64) - (p[gene] - p[0])  # position of each value inside its gene
-        cum = np.cumsum(steps, dtype=np.int64)
-        cells = cum - (cum - steps)[(p[gene] - p[0])]  # undo the deltas gene by gene
-        dest = fill[gene] + within
-        data[dest] = vals
-        indices[dest] = (cells + row_starts[i]).astype(np.int32)
-        fill += counts[i]
-    return sp.csr_matrix((data, indices, indptr), shape=(g, n_cells))
+            fh.seek(int(start))
+            raw = fh.read(int(cuts[-1] - start))
+        edges = [0, *(int(c - start) for c in cuts)]
+        values, steps, counts = (codec.decode(raw[a:b]) for codec, a, b in zip(codecs, edges[:-1], edges[1:]))
+        values = np.frombuffer(values, dtype=dtype)
+        if values.shape[0] == 0:
+            continue
+        steps = np.frombuffer(steps, dtype=_step_dtype(int(row_starts[i + 1] - row_starts[i])))
+        kernels.place_gene_runs(values, steps, np.frombuffer(counts, dtype=np.uint32), fill, int(row_starts[i]),
+                                data, indices)
+    return sp.csr_matrix((data, indices, indptr), shape=(g, int(row_starts[-1])))

@@ -13,7 +13,8 @@ implementation serves CPU and GPU. They return host (NumPy) arrays: results are 
 The modules, by what they compute: ``reduce`` (the reduction framework above), ``stats`` (per-cell and
 per-gene statistics, elementwise maps), ``features`` (feature selection: grouped moments, clipped sums,
 NaN-aware sums), ``scaling`` (regression, scaling, the Gram matrix, projections), ``groups`` (per-group
-moments, logistic regression), ``ranks`` (exact Wilcoxon). Every public name is re-exported here, so
+moments, logistic regression), ``ranks`` (exact Wilcoxon), ``scatter`` (gene-major blocks from transposed
+pieces). Every public name is re-exported here, so
 callers write ``kernels.row_sums``; a module-level setting (``MAX_LANES``) is read from its own module.
 """
 from atlasflow.kernels.reduce import (  # noqa: F401
@@ -66,4 +67,7 @@ from atlasflow.kernels.groups import (  # noqa: F401
 )
 from atlasflow.kernels.ranks import (  # noqa: F401
     gene_block_ranks,
+)
+from atlasflow.kernels.scatter import (  # noqa: F401
+    place_gene_runs,
 )
