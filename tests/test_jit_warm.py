@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 #: A fresh process calls the kernels as the qc, pca and Wilcoxon stages do, on stage-like data (float32 values,
-#: int32 indices, thousands of rows), and prints each kernel's cache hits and misses.
+#: int32 indices, thousands of rows), and prints each kernel's cache hits and misses. (The argsort ``ranks``
+#: kernel serves other dtypes and NaN only: not warmed, compiled where it is needed.)
 _STAGE_LIKE_CALLS = textwrap.dedent("""
     import numpy as np
     from scipy import sparse
@@ -19,9 +20,12 @@ _STAGE_LIKE_CALLS = textwrap.dedent("""
     y = x.copy(); y.data = np.log1p(y.data)
     kernels.scaled_gram_and_sums(y, np.full(300, 0.3), np.full(300, 0.7), True, 10.0, np.float32)
     kernels.gene_block_ranks(y.T.tocsr(), np.arange(3000) % 4, 4, np.full(4, 750.0), [0, 1, 2, 3], None)
+    steps = np.ones(y.nnz, np.uint16)
+    kernels.place_gene_runs(y.data, steps, np.array([y.nnz], np.uint32), np.zeros(1, np.int64), 5000,
+                            np.empty_like(y.data), np.empty(y.nnz, np.int32))
     for f in (kernels.stats._top_n_kernel(), kernels.scaling._scaled_entries_kernel(),
-              kernels.scaling._sparse_gram_upper(),
-              *kernels.ranks._rest_ranks_kernels()):
+              kernels.scaling._sparse_gram_upper(), kernels.ranks._rest_ranks_kernels()[0],
+              kernels.ranks._radix_ranks_kernel(), kernels.scatter._PLACE):
         print(f.__name__, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))
 """)
 
@@ -33,12 +37,12 @@ def _run(code_args, cache_dir):
 
 def test_warm_compiles_what_the_stages_then_load(tmp_path):
     cold = _run(["-c", _STAGE_LIKE_CALLS], tmp_path / "cold").stdout.splitlines()
-    assert len(cold) == 5
+    assert len(cold) == 6
     assert all(line.endswith(" 0 1") for line in cold), cold  # empty cache: each kernel compiled here
 
     _run(["-m", "atlasflow.jit_warm"], tmp_path / "warm")
     warmed = [line.split() for line in _run(["-c", _STAGE_LIKE_CALLS], tmp_path / "warm").stdout.splitlines()]
-    assert len(warmed) == 5
+    assert len(warmed) == 6
     for name, hits, misses in warmed:
         assert (int(hits), int(misses)) == (1, 0), f"{name}: {hits} cache hits, {misses} compiled again"
 
