@@ -170,6 +170,31 @@ def test_pynndescent_recall_and_determinism(pbmc_pca):
     np.testing.assert_array_equal(dist2, dist)
 
 
+@pytest.mark.slow  # numba compiles (or loads) pynndescent
+def test_lean_rp_trees_give_pynndescent_graph_without_hyperplanes(pbmc_pca):
+    """The trees kept while the graph is built lose their split hyperplanes; the graph stays pynndescent's."""
+    from pynndescent import NNDescent
+
+    from atlasflow.tl.neighbors import lean_rp_trees
+
+    x = np.ascontiguousarray(pbmc_pca.obsm["X_pca"][:, :N_PCS], dtype=np.float32)
+
+    def build():
+        return NNDescent(x, n_neighbors=16, n_trees=8, n_iters=6, random_state=0, n_jobs=1, low_memory=True,
+                         compressed=False)
+
+    whole = build()
+    with lean_rp_trees():
+        lean = build()
+    assert all(len(t.hyperplanes) > 0 for t in whole._rp_forest)
+    assert all(len(t.hyperplanes) == 0 and len(t.offsets) == 0 for t in lean._rp_forest)
+    for a, b in zip(whole.neighbor_graph, lean.neighbor_graph, strict=True):
+        np.testing.assert_array_equal(a, b)
+    from pynndescent import rp_trees
+
+    assert rp_trees.make_dense_tree is not None and "lean" not in rp_trees.make_dense_tree.__name__  # restored
+
+
 @pytest.mark.slow  # pynndescent and umap-learn compile (or load) their kernels
 def test_stages_take_the_read_only_embedding_of_a_store(tmp_path):
     """Arrays read from a store are read-only; pynndescent's kernels (explicit writable signatures) and UMAP's

@@ -12,7 +12,8 @@ keys and parameters.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
@@ -161,16 +162,57 @@ def knn(
 
         # a writable copy of a read-only embedding (arrays read from a store are): pynndescent's kernels are
         # compiled for writable arrays only and fail to type a read-only one
-        index = NNDescent(
-            np.require(x, requirements=["C", "W"]), n_neighbors=k_search, metric=metric, metric_kwds=dict(metric_kwds),
-            n_trees=min(64, 5 + round(n**0.5 / 20.0)), n_iters=max(5, round(np.log2(n))),
-            random_state=random_state, n_jobs=n_jobs, low_memory=True, compressed=False,
-        )
+        with lean_rp_trees():
+            index = NNDescent(
+                np.require(x, requirements=["C", "W"]), n_neighbors=k_search, metric=metric,
+                metric_kwds=dict(metric_kwds), n_trees=min(64, 5 + round(n**0.5 / 20.0)),
+                n_iters=max(5, round(np.log2(n))), random_state=random_state, n_jobs=n_jobs, low_memory=True,
+                compressed=False,
+            )
         ind, dist = index.neighbor_graph
+        del index
     ind, dist = _self_first(np.asarray(ind), np.asarray(dist))
     ind, dist = ind[:, :n_neighbors].copy(), dist[:, :n_neighbors].copy()
     dist[:, 0] = 0  # a point is at distance 0 from itself (brute force may give ~1e-7): scanpy zeroes it too
     return ind, dist, method
+
+
+@contextmanager
+def lean_rp_trees() -> Iterator[None]:
+    """While building an NNDescent graph, keep only what the graph needs of each random projection tree.
+
+    pynndescent builds ``5 + sqrt(cells) / 20`` trees (55 at 1M cells) and keeps them all for later queries,
+    each with one split hyperplane (n_dims floats) per node: ~1.4 GB of the neighbors step at 1M cells. The
+    graph uses only each tree's leaves (its ``children`` and ``indices``); queries, which we never run, use
+    the hyperplanes. So each dense tree is returned without its hyperplanes and offsets as soon as it is
+    built. pynndescent draws, builds and walks the trees as before: the same graph, bit for bit. Where
+    pynndescent's trees are not laid out as expected (another version), nothing is changed (logged).
+    """
+    try:
+        from pynndescent import rp_trees
+    except ImportError:  # pragma: no cover - pynndescent is a dependency
+        yield
+        return
+    original = getattr(rp_trees, "make_dense_tree", None)
+    fields = getattr(getattr(rp_trees, "FlatTree", None), "_fields", ())
+    hyperplane_type = getattr(rp_trees, "dense_hyperplane_type", None)
+    offset_type = getattr(rp_trees, "offset_type", None)
+    if original is None or hyperplane_type is None or offset_type is None or fields[:4] != ("hyperplanes", "offsets", "children", "indices"):
+        log.info("neighbors: pynndescent's trees are not laid out as expected; its index is kept whole")
+        yield
+        return
+    from numba import typed
+
+    def lean_tree(*args, **kwargs):
+        tree = original(*args, **kwargs)
+        return tree._replace(hyperplanes=typed.List.empty_list(hyperplane_type),
+                             offsets=typed.List.empty_list(offset_type))
+
+    rp_trees.make_dense_tree = lean_tree
+    try:
+        yield
+    finally:
+        rp_trees.make_dense_tree = original
 
 
 def _exact_dtype(x: np.ndarray, metric: str) -> np.dtype:
