@@ -188,16 +188,14 @@ def lean_rp_trees() -> Iterator[None]:
     built. pynndescent draws, builds and walks the trees as before: the same graph, bit for bit. Where
     pynndescent's trees are not laid out as expected (another version), nothing is changed (logged).
     """
-    try:
-        from pynndescent import rp_trees
-    except ImportError:  # pragma: no cover - pynndescent is a dependency
-        yield
-        return
+    from pynndescent import rp_trees
+
     original = getattr(rp_trees, "make_dense_tree", None)
     fields = getattr(getattr(rp_trees, "FlatTree", None), "_fields", ())
     hyperplane_type = getattr(rp_trees, "dense_hyperplane_type", None)
     offset_type = getattr(rp_trees, "offset_type", None)
-    if original is None or hyperplane_type is None or offset_type is None or fields[:4] != ("hyperplanes", "offsets", "children", "indices"):
+    expected = fields[:4] == ("hyperplanes", "offsets", "children", "indices")
+    if None in (original, hyperplane_type, offset_type) or not expected:
         log.info("neighbors: pynndescent's trees are not laid out as expected; its index is kept whole")
         yield
         return
