@@ -14,7 +14,9 @@ What it does
     * ``epochs``: umap-learn's optimisation from a fixed start, single-threaded (scanpy's default);
     * ``epochs-parallel``: the same with numba threads (umap-learn's ``parallel=True``);
     * ``layout-arpack`` / ``layout-lobpcg``: the whole ``tl.umap`` (start and 200 epochs) with the spectral
-      start forced to umap-learn's ARPACK (scanpy's layout) or to LOBPCG.
+      start forced to umap-learn's ARPACK (scanpy's layout) or to LOBPCG, and umap-learn's epochs;
+    * ``layout-large``: the whole large path, LOBPCG start and atlasflow's deterministic parallel epochs
+      (``kernels.umap_epochs``).
 
 What it measures
     Wall seconds inside the child and its peak RSS minus the RSS after loading the graph (what the step
@@ -42,7 +44,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("spectral-arpack", "spectral-lobpcg", "epochs", "epochs-parallel", "layout-arpack", "layout-lobpcg")
+STEPS = ("spectral-arpack", "spectral-lobpcg", "epochs", "epochs-parallel", "layout-arpack", "layout-lobpcg",
+         "layout-large")
 
 
 def make_graph(n: int, clusters: int, seed: int, path: Path) -> None:
@@ -118,7 +121,9 @@ def child(step: str, graph_path: Path, out: Path, epochs: int) -> None:
                        uns={"neighbors": {"connectivities_key": "connectivities",
                                           "params": {"method": "umap", "use_rep": "X_pca", "metric": "euclidean"}}})
         gate = None if step == "layout-arpack" else 1
-        run = lambda: umap(a, exact_spectral_max_cells=gate) or a.obsm["X_umap"]  # noqa: E731
+        epochs_gate = 1 if step == "layout-large" else None
+        run = lambda: umap(a, exact_spectral_max_cells=gate,  # noqa: E731
+                           exact_epochs_max_cells=epochs_gate) or a.obsm["X_umap"]
     elif step.startswith("epochs"):
         coo = g.tocoo()
         coo.data[coo.data < coo.data.max() / epochs] = 0
@@ -197,7 +202,7 @@ def main() -> None:
         ref = np.load(args.workdir / f"spectral-arpack_{args.n_cells}.npy")
         new = np.load(args.workdir / f"spectral-lobpcg_{args.n_cells}.npy")
         rows["spectral-lobpcg"]["angle"] = principal_angle(ref, new)
-    for step in ("layout-arpack", "layout-lobpcg"):
+    for step in ("layout-arpack", "layout-lobpcg", "layout-large"):
         if step in rows and "error" not in rows[step]:
             x = np.load(graph.with_suffix(".x.npy"))
             labels = np.load(graph.with_suffix(".labels.npy"))

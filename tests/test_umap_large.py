@@ -1,4 +1,5 @@
-"""UMAP's spectral start for large graphs (tl._spectral, issue #21) against umap-learn's, and the size gate.
+"""UMAP's large path (issue #21) against umap-learn's: the spectral start (tl._spectral) and the epochs
+(kernels.umap_epochs), and their size gates.
 
 Below ``umap.exact_spectral_max_cells`` the layout is scanpy's bit for bit (tests/test_graph.py); above it the
 start comes from LOBPCG: the same eigenvectors to the solver tolerance, placed as umap-learn places
@@ -154,8 +155,60 @@ def test_stage_takes_the_gate_and_says_which_start_ran(blobs, tmp_path):
         out = tmp_path / f"umap_{gate}.zarr"
         assert stage_main(umap_stage, argv=["--input", str(tmp_path / "neighbors.zarr"), "--output", str(out),
                                             "--maxiter", "20", "--exact-spectral-max-cells", gate]) == 0
-        assert json.loads(out.with_suffix(".json").read_text())["start"] == start
+        summary = json.loads(out.with_suffix(".json").read_text())
+        assert summary["start"] == start and summary["epochs"] == "umap-learn (scanpy's)"
         assert open_store(out).obsm["X_umap"].shape == (4000, 2)
+    out = tmp_path / "umap_epochs.zarr"
+    assert stage_main(umap_stage, argv=["--input", str(tmp_path / "neighbors.zarr"), "--output", str(out),
+                                        "--maxiter", "20", "--exact-epochs-max-cells", "3999"]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["epochs"] == "atlasflow (deterministic, parallel)"
     assert stage_main(umap_stage, argv=["--input", str(tmp_path / "neighbors.zarr"), "--output",
                                         str(tmp_path / "bad.zarr"), "--exact-spectral-max-cells", "0"]) != 0
     assert not (tmp_path / "bad.zarr").exists()
+
+
+def _graph_neighbours_kept(graph: sp.csr_matrix, emb: np.ndarray, k: int = 15) -> float:
+    """Mean fraction of each cell's graph neighbours found among its k nearest cells in the layout."""
+    from sklearn.neighbors import NearestNeighbors
+
+    near = NearestNeighbors(n_neighbors=k + 1).fit(emb).kneighbors(emb, return_distance=False)[:, 1:]
+    kept = [np.isin(graph.indices[graph.indptr[i]:graph.indptr[i + 1]], near[i]).mean()
+            for i in range(graph.shape[0]) if graph.indptr[i + 1] > graph.indptr[i]]
+    return float(np.mean(kept))
+
+
+def test_large_epochs_are_the_same_for_any_thread_count():
+    import numba
+    from umap.umap_ import find_ab_params
+
+    from atlasflow.kernels.umap_epochs import optimize_layout
+
+    g = _graph(_walk_of_blobs(2000, 8, 0.8, seed=3)[0])
+    a, b = find_ab_params(1.0, 0.5)
+    start = np.random.default_rng(0).uniform(0, 10, size=(2000, 2)).astype(np.float32)
+    before = numba.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            runs.append(optimize_layout(start.copy(), g, 50, a=a, b=b, seed=7))
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert not np.array_equal(runs[0], optimize_layout(start.copy(), g, 50, a=a, b=b, seed=8))  # the seed counts
+    assert np.isfinite(runs[0]).all() and not np.array_equal(runs[0], start)
+
+
+def test_above_the_epochs_gate_the_layout_keeps_umap_learns_structure(blobs, caplog):
+    exact = umap(blobs, maxiter=200, copy=True)
+    with caplog.at_level(logging.INFO, logger="atlasflow"):
+        large = umap(blobs, maxiter=200, exact_epochs_max_cells=3999, copy=True)
+    assert "atlasflow's deterministic parallel kernel" in caplog.text
+    emb = large.obsm["X_umap"]
+    assert emb.shape == (4000, 2) and emb.dtype == np.float32 and np.isfinite(emb).all()
+    np.testing.assert_array_equal(emb, umap(blobs, maxiter=200, exact_epochs_max_cells=3999, copy=True).obsm["X_umap"])
+    g = blobs.obsp["connectivities"].tocsr()
+    # local structure: the graph's neighbours stay near in 2-D about as often as in umap-learn's layout
+    assert _graph_neighbours_kept(g, emb) >= 0.9 * _graph_neighbours_kept(g, exact.obsm["X_umap"])
+    # global structure: the blobs keep their order of distances
+    assert _blob_distances_kept(blobs, emb) >= _blob_distances_kept(blobs, exact.obsm["X_umap"]) - 0.05

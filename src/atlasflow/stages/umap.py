@@ -40,6 +40,10 @@ def add_arguments(p):
                    type=optional_positive_int.named("exact_spectral_max_cells"),
                    help="spectral start by umap-learn's ARPACK (scanpy's layout; 7.5 GiB at 1M cells) up to this "
                         "many cells, by LOBPCG above (none: ARPACK always)")
+    p.add_argument("--exact-epochs-max-cells", dest="exact_epochs_max_cells", default=300_000,
+                   type=optional_positive_int.named("exact_epochs_max_cells"),
+                   help="epochs by umap-learn (scanpy's layout; single-threaded) up to this many cells, by "
+                        "atlasflow's deterministic parallel kernel above (none: umap-learn always)")
     p.add_argument("--random-state", dest="random_state", type=optional_int.named("random_state"),
                    default=0, help="seed")
     p.add_argument("--a", type=optional_positive_float.named("a"),
@@ -65,6 +69,7 @@ def run(args, client) -> dict:
         a=optional_positive_float(args.a, "a"), b=optional_positive_float(args.b, "b"),
         key_added=args.key_added, neighbors_key=args.neighbors_key, parallel=bool(args.parallel),
         exact_spectral_max_cells=optional_positive_int(args.exact_spectral_max_cells, "exact_spectral_max_cells"),
+        exact_epochs_max_cells=optional_positive_int(args.exact_epochs_max_cells, "exact_epochs_max_cells"),
         backend=backend,
     )
     key_obsm, key_uns = ("X_umap", "umap") if args.key_added is None else (args.key_added, args.key_added)
@@ -76,11 +81,16 @@ def run(args, client) -> dict:
     start = args.init_pos
     if start == "spectral" and engine != "cuML":
         start = "spectral (LOBPCG)" if gate is not None and adata.n_obs > gate else "spectral (ARPACK, scanpy's)"
+    epochs_gate = optional_positive_int(args.exact_epochs_max_cells, "exact_epochs_max_cells")
+    epochs = "umap-learn (scanpy's)"
+    if engine != "cuML" and epochs_gate is not None and adata.n_obs > epochs_gate:
+        epochs = "atlasflow (deterministic, parallel)"
     return {
         **shape_summary(adata, adata),
         "backend": backend,
         "engine": engine,
         "start": start,
+        "epochs": epochs,
         "a": float(params["a"]), "b": float(params["b"]),
         "extent": [[float(v) for v in emb.min(axis=0)], [float(v) for v in emb.max(axis=0)]],
     }

@@ -28,6 +28,10 @@ INIT_POS = ("spectral", "random")
 #: not umap-learn's ARPACK, whose sqrt(cells) Lanczos vectors take 1.2 GiB at 300k cells and 7.5 GiB at 1M.
 EXACT_SPECTRAL_MAX_CELLS = 300_000
 
+#: Default of ``exact_epochs_max_cells``: above it the epochs are atlasflow's deterministic parallel ones
+#: (``kernels.umap_epochs``), not umap-learn's single-threaded ones (~1000 s at 1M cells on 2 cores).
+EXACT_EPOCHS_MAX_CELLS = 300_000
+
 
 def umap(
     adata: ad.AnnData,
@@ -47,6 +51,7 @@ def umap(
     neighbors_key: str = "neighbors",
     parallel: bool = False,
     exact_spectral_max_cells: int | None = EXACT_SPECTRAL_MAX_CELLS,
+    exact_epochs_max_cells: int | None = EXACT_EPOCHS_MAX_CELLS,
     backend: str = "cpu",
     copy: bool = False,
 ) -> ad.AnnData | None:
@@ -57,6 +62,9 @@ def umap(
     ``exact_spectral_max_cells``: the 'spectral' start is umap-learn's (scanpy's coordinates) up to this many
     cells and LOBPCG's above (the same eigenvectors to 1e-4 in a fraction of the memory, a different layout
     of the same quality; logged); None: umap-learn's always.
+    ``exact_epochs_max_cells``: the epochs are umap-learn's (scanpy's coordinates) up to this many cells and
+    ``kernels.umap_epochs``' above (every cell's moves summed per epoch in parallel: reproducible for any
+    number of threads, 2-3x faster on 2 cores, not umap-learn's coordinates; logged); None: umap-learn's always.
     ``backend='gpu'``: cuML lays out the same graph where it is installed (reproducible for a seed, not
     umap-learn's coordinates), else umap-learn on the CPU (logged).
     """
@@ -122,6 +130,10 @@ def umap(
     if isinstance(init, str) and init == "spectral" and exact_spectral_max_cells is not None \
             and graph.shape[0] > int(exact_spectral_max_cells):
         init = _large_spectral_start(graph, x, int(n_components), n_epochs, random_state, params)
+    if exact_epochs_max_cells is not None and graph.shape[0] > int(exact_epochs_max_cells) and n_epochs > 0:
+        adata.obsm[key_obsm] = _large_layout(graph, x, init, int(n_components), n_epochs, a, b, alpha, gamma,
+                                             int(negative_sample_rate), random_state, params)
+        return adata if copy else None
     emb, _ = simplicial_set_embedding(
         data=x, graph=graph, n_components=int(n_components), initial_alpha=alpha, a=a, b=b, gamma=gamma,
         negative_sample_rate=int(negative_sample_rate), n_epochs=n_epochs, init=init,
@@ -131,6 +143,44 @@ def umap(
     )
     adata.obsm[key_obsm] = emb
     return adata if copy else None
+
+
+def _large_layout(graph, x, init, dim: int, n_epochs: int, a: float, b: float, alpha: float, gamma: float,
+                  negative_sample_rate: int, random_state, params: dict) -> np.ndarray:
+    """The layout of a graph above ``exact_epochs_max_cells``: umap-learn's start (or the one given), then
+    ``kernels.umap_epochs``' deterministic parallel epochs instead of umap-learn's."""
+    from sklearn.utils import check_random_state
+    from umap.spectral import spectral_layout
+    from umap.umap_ import noisy_scale_coords
+
+    from atlasflow.kernels.umap_epochs import optimize_layout
+
+    seed = 0 if random_state is None else int(random_state)
+    rng = check_random_state(seed)
+    if isinstance(init, str) and init == "random":
+        start = rng.uniform(low=-10.0, high=10.0, size=(graph.shape[0], dim)).astype(np.float32)
+    elif isinstance(init, str):  # 'spectral' below exact_spectral_max_cells: umap-learn's start, as it makes it
+        g = graph.tocsr(copy=True)
+        g.data[g.data < g.data.max() / float(n_epochs)] = 0.0
+        g.eliminate_zeros()
+        start = noisy_scale_coords(spectral_layout(x, g, dim, rng, metric=params.get("metric", "euclidean"),
+                                                   metric_kwds=params.get("metric_kwds", {})),
+                                   rng, max_coord=10, noise=0.0001)
+        del g
+    else:
+        start = np.array(init, dtype=np.float32)
+    # umap-learn scales every start into [0, 10] before its epochs
+    start = (10.0 * (start - start.min(0)) / (start.max(0) - start.min(0))).astype(np.float32)
+    log.info("umap: %d cells > exact_epochs_max_cells: %d epochs by atlasflow's deterministic parallel kernel, "
+             "not umap-learn's (the layout is not scanpy's coordinates)", graph.shape[0], n_epochs)
+    step = max(n_epochs // 10, 1)
+
+    def progress(epoch: int) -> None:
+        if (epoch + 1) % step == 0:
+            log.info("umap: epoch %d of %d", epoch + 1, n_epochs)
+
+    return optimize_layout(start, graph, n_epochs, a=a, b=b, gamma=gamma, initial_alpha=alpha,
+                           negative_sample_rate=negative_sample_rate, seed=seed, progress=progress)
 
 
 def _large_spectral_start(graph, x, dim: int, n_epochs: int, random_state: int, params: dict) -> np.ndarray:
