@@ -63,6 +63,34 @@ def test_changed_elements_are_written(source, tmp_path):
     np.testing.assert_array_equal(out.obsm["X_pca"], ref.obsm["X_pca"] * 2)
 
 
+def test_skipped_elements_are_not_read_and_are_linked_unless_replaced(source, tmp_path):
+    from atlasflow.errors import StoreError
+    from atlasflow.store import load_element
+
+    a = open_store(source, skip=("obsm", "obsp"))
+    assert len(a.obsm) == 0 and len(a.obsp) == 0
+    a.obs["new"] = 1.0
+    write_store(a, tmp_path / "out.zarr")
+    for key in ("obsm/X_pca", "obsp/connectivities"):
+        assert _inode(tmp_path / "out.zarr" / key) == _inode(source / key), key
+    out, ref = ad.read_zarr(tmp_path / "out.zarr"), ad.read_zarr(source)
+    np.testing.assert_array_equal(out.obsm["X_pca"], ref.obsm["X_pca"])
+    assert (out.obsp["connectivities"] != ref.obsp["connectivities"]).nnz == 0 and (out.obs["new"] == 1).all()
+
+    b = open_store(source, skip=("obsm/X_pca", "obsp"))
+    graph = load_element(b, "obsp/connectivities")  # read later: read-only, linked like an element read at first
+    assert graph is b.obsp["connectivities"] and (graph != ref.obsp["connectivities"]).nnz == 0
+    with pytest.raises(ValueError, match="read-only"):
+        graph.data[0] = 5
+    with pytest.raises(StoreError, match="obsp/distances"):
+        load_element(b, "obsp/distances")
+    b.obsm["X_pca"] = np.zeros((b.n_obs, 3), np.float32)  # a skipped element replaced: written, not linked
+    write_store(b, tmp_path / "replaced.zarr")
+    assert _inode(tmp_path / "replaced.zarr" / "obsp" / "connectivities") == _inode(source / "obsp" / "connectivities")
+    assert _inode(tmp_path / "replaced.zarr" / "obsm" / "X_pca") != _inode(source / "obsm" / "X_pca")
+    np.testing.assert_array_equal(ad.read_zarr(tmp_path / "replaced.zarr").obsm["X_pca"], 0)
+
+
 def test_obs_opened_without_columns_is_linked_whole_or_refused_if_changed(source, tmp_path):
     from atlasflow.errors import StoreError
 

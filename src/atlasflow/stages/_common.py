@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +201,14 @@ def excluded_genes(var, columns, what: str) -> np.ndarray:
         log.info("%s: %d genes of var[%s]", what, int(mask.sum()), ", ".join(c for c in columns if c in var))
     return mask
 
+
+def load_graph(adata, obsp: str | None, neighbors_key: str | None) -> None:
+    """For a store opened with ``skip=("obsp",)``: read the one graph a stage needs, ``obsp[obsp]``, else the
+    connectivities of ``uns[neighbors_key]`` (a missing one is left to the stage's own one-line error)."""
+    from atlasflow.store import load_element, unread_elements
+
+    info = adata.uns.get(neighbors_key or "neighbors")
+    key = obsp if obsp is not None else (info.get("connectivities_key", "connectivities")
+                                          if isinstance(info, Mapping) else None)
+    if key is not None and f"obsp/{key}" in dict(unread_elements(adata)):
+        load_element(adata, f"obsp/{key}")

@@ -1,8 +1,9 @@
 """leiden stage: Leiden clustering of the neighbourhood graph (scanpy.tl.leiden); needs no Dask cluster.
 
-Reads the graph (obsp/uns) of the input store; X is linked. Adds ``obs[key_added]`` for ``resolution``
-and ``obs[key_added + '_r<res>']`` for each of ``resolutions``, with ``uns[<key>]['params']``. With
-``--backend gpu``, cuGraph clusters where it is installed (the CPU otherwise; the log says which).
+Reads the graph it clusters (one obsp element) and uns of the input store; X, obsm and the other obsp
+elements are linked, not read. Adds ``obs[key_added]`` for ``resolution`` and ``obs[key_added + '_r<res>']``
+for each of ``resolutions``, with ``uns[<key>]['params']``. With ``--backend gpu``, cuGraph clusters where it
+is installed (the CPU otherwise; the log says which).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from pathlib import Path
 
 from atlasflow import ownership
 from atlasflow.errors import InputError
-from atlasflow.stages._common import (Number, json_arg, optional_bool, optional_int, optional_positive_float,
-                                      positive_float, shape_summary)
-from atlasflow.store import open_store, temporary_sibling, write_store
+from atlasflow.stages._common import (Number, json_arg, load_graph, optional_bool, optional_int,
+                                      optional_positive_float, positive_float, shape_summary)
+from atlasflow.store import load_element, open_store, temporary_sibling, write_store
 from atlasflow.tl._gpu import clustering_engine, resolve_backend
 from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
 from atlasflow.tl.metrics import integration_table
@@ -63,7 +64,10 @@ def run_clustering(args, algorithm: str, cluster, *, before=None, after=None, **
 
     ``before(adata)`` checks the input first; ``after(adata, keys)`` returns more summary and a CSV table (or
     None) written beside the store, moved into place once the store is complete."""
-    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    # the embeddings and the other graphs are not read (X_pca and the distances: ~360 MB at 1M cells);
+    # the output links them from the input as they are
+    adata = open_store(args.input, chunk_rows=args.chunk_rows, skip=("obsm", "obsp"))
+    load_graph(adata, args.obsp, args.neighbors_key)
     if before is not None:
         before(adata)
     resolutions = to_floats(args.resolutions, "resolutions")
@@ -160,8 +164,10 @@ def _metrics(args):
                 log.info("leiden: obs[%r] holds one batch: its mixing is not measured", key)
             else:
                 used.append(key)
-        info, _ = graph_of(adata, args.neighbors_key or "neighbors")
-        graph = adata.obsp[info.get("distances_key", "distances")]
+        graph = None
+        if used or args.label_key is not None:  # the distances are read only for a metric that needs them
+            info, _ = graph_of(adata, args.neighbors_key or "neighbors")
+            graph = load_element(adata, f"obsp/{info.get('distances_key', 'distances')}")
         table = integration_table(adata.obs, graph, batch_keys=used, label_key=args.label_key,
                                   cluster_key=keys[0] if args.label_key else None)
         for row in table.itertuples():

@@ -1,8 +1,9 @@
 """umap stage: UMAP layout of the neighbourhood graph (scanpy.tl.umap); needs no Dask cluster.
 
-Reads the graph (obsp/uns) and the embedding it was built on from the input store; X is linked. Adds
-``obsm['X_umap']`` and ``uns['umap']['params']``. With ``--backend gpu``, cuML lays it out where it is
-installed (umap-learn on the CPU otherwise; the log says which).
+Reads the graph (its obsp connectivities and uns) and the embedding it was built on from the input store;
+X and the other obsp elements are linked, not read. Adds ``obsm['X_umap']`` and ``uns['umap']['params']``.
+With ``--backend gpu``, cuML lays it out where it is installed (umap-learn on the CPU otherwise; the log
+says which).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import logging
 
 import numpy as np
 
-from atlasflow.stages._common import (non_negative_float, non_negative_int, optional_int, optional_positive_float,
-                                      optional_positive_int, positive_float, positive_int, shape_summary)
+from atlasflow.stages._common import (load_graph, non_negative_float, non_negative_int, optional_int,
+                                      optional_positive_float, optional_positive_int, positive_float, positive_int,
+                                      shape_summary)
 from atlasflow.store import open_store, write_store
 from atlasflow.tl._gpu import resolve_backend, umap_engine
 from atlasflow.tl.umap import umap
@@ -57,7 +59,9 @@ def add_arguments(p):
 
 
 def run(args, client) -> dict:
-    adata = open_store(args.input, chunk_rows=args.chunk_rows)
+    # the kNN distances and any other obsp graph are not read (~170 MB at 1M cells); the output links them
+    adata = open_store(args.input, chunk_rows=args.chunk_rows, skip=("obsp",))
+    load_graph(adata, None, args.neighbors_key)
     backend = resolve_backend(getattr(args, "backend", "cpu"))
     umap(
         adata, min_dist=non_negative_float(args.min_dist, "min_dist"), spread=positive_float(args.spread, "spread"),

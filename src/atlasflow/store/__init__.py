@@ -11,7 +11,8 @@ elements (``X`` and ``layers/*``) ourselves so that
 * the output appears under its final name only once complete (write to a temporary sibling, rename).
 
 Small elements (obs, var, obsm, varm, obsp, uns) go through anndata's own reader and writer; obs, var and the
-obsm/varm/obsp/varp entries a stage left unchanged are hard-linked like X.
+obsm/varm/obsp/varp entries a stage left unchanged, or never read (``open_store(skip=...)``), are hard-linked
+like X.
 
 The modules: ``format`` (the on-disk form, applied on import), ``read`` (lazy opening, the registry of
 what was read unchanged, chunk checks), ``write`` (block-wise writers), ``commit`` (atomic directories,
@@ -28,6 +29,8 @@ from atlasflow.store.format import (  # noqa: F401
 from atlasflow.store.read import (  # noqa: F401
     DEFAULT_BACKEND,
     open_store,
+    load_element,
+    unread_elements,
     remember_read,
     read_unchanged,
     read_partial,

@@ -29,13 +29,18 @@ DEFAULT_BACKEND = "cpu"
 
 
 def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backend: str | None = None,
-               obs_columns: bool = True) -> ad.AnnData:
+               obs_columns: bool = True, skip: tuple[str, ...] = ()) -> ad.AnnData:
     """Open an AnnData Zarr store lazily: X and layers as Dask arrays of row chunks, the rest in memory.
 
     With ``backend="gpu"`` (default: the stage's ``--backend``) the row blocks become CuPy chunks. With
     ``obs_columns=False`` obs holds only the cell names (for stages that never look at obs: reading and
     fingerprinting a QC'd obs costs ~0.2 s at 100k cells); written unchanged it is linked whole, and
     ``write_store`` refuses to write it changed (that would drop the columns it never read).
+
+    ``skip`` names obsm/varm/obsp/varp elements not to read, a whole axis (``"obsm"``) or one entry
+    (``"obsp/distances"``): a stage that never looks at them saves their memory (X_pca and the kNN
+    distances are ~360 MB at 1M cells). ``load_element`` reads one later; ``write_store`` links every
+    skipped entry the stage did not replace into its output, as it links unchanged ones.
     """
     path = Path(path)
     if not path.exists():
@@ -65,18 +70,16 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backen
     if "layers" in root:
         for key in root["layers"]:
             layers[key] = lazy_elem(path, f"layers/{key}", chunk_rows=chunk_rows, store_id=store_id)
-    adata = ad.AnnData(
-        X=X,
-        obs=obs,
-        var=var,
-        layers=layers or None,
-        obsm=small("obsm"),
-        varm=small("varm"),
-        obsp=small("obsp"),
-        varp=small("varp"),
-        uns=small("uns"),
-    )
+    aligned, unread = {}, []
+    for axis in ("obsm", "varm", "obsp", "varp"):
+        names = list(root[axis]) if axis in root else []
+        wanted = [k for k in names if axis not in skip and f"{axis}/{k}" not in skip]
+        unread += [f"{axis}/{k}" for k in names if k not in wanted]
+        aligned[axis] = small(axis) if len(wanted) == len(names) else {k: small(f"{axis}/{k}") for k in wanted}
+    adata = ad.AnnData(X=X, obs=obs, var=var, layers=layers or None, uns=small("uns"), **aligned)
     remember_read(adata, path, partial_obs=not obs_columns)
+    if unread:
+        _UNREAD[id(adata)] = (weakref.ref(adata, functools.partial(_forget_unread, id(adata))), str(path), unread)
     from atlasflow.gpu import to_backend
 
     return to_backend(adata, backend or DEFAULT_BACKEND)
@@ -85,6 +88,52 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backen
 # id of an in-memory element ``open_store`` read -> (weak reference, store path, element key, fingerprint):
 # lets ``write_store`` link obs, var, obsm, varm, obsp and varp elements a stage left as they were.
 _READ: dict[int, tuple] = {}
+
+# id of an AnnData ``open_store`` opened with ``skip`` -> (weak reference, store path, element keys not read)
+_UNREAD: dict[int, tuple] = {}
+
+
+def unread_elements(adata: ad.AnnData) -> list[tuple[str, Path]]:
+    """(key, source path) of the aligned elements ``open_store`` did not read for ``adata`` (``skip``) and
+    that ``adata`` still has no element of the same name for: ``write_store`` links them."""
+    entry = _UNREAD.get(id(adata))
+    if entry is None or entry[0]() is not adata:
+        return []
+    _, path, keys = entry
+    out = []
+    for key in keys:
+        axis, name = key.split("/", 1)
+        if name not in getattr(adata, axis):
+            out.append((key, Path(path) / key))
+    return out
+
+
+def load_element(adata: ad.AnnData, key: str):
+    """Read the aligned element ``key`` (e.g. ``"obsp/distances"``) that ``open_store`` skipped into ``adata``
+    (read-only, linked on write as if read at first) and return it; already there: return it."""
+    axis, name = key.split("/", 1)
+    if name in getattr(adata, axis):
+        return getattr(adata, axis)[name]
+    entry = _UNREAD.get(id(adata))
+    if entry is None or entry[0]() is not adata or key not in entry[2]:
+        raise StoreError(f"{key} is not in the store this AnnData was opened from")
+    path = Path(entry[1])
+    try:
+        value = ad.io.read_elem(zarr.open_group(str(path), mode="r")[key])
+    except Exception as exc:  # noqa: BLE001
+        raise StoreError(f"cannot read {key!r} of {path} ({type(exc).__name__}: {exc}); the store is damaged: "
+                         f"delete it and re-run {writer_of(path)}") from exc
+    getattr(adata, axis)[name] = value
+    if _freeze(value):
+        ref = weakref.ref(value, functools.partial(_forget, id(value)))
+        _READ[id(value)] = (ref, str(path), key, None, False)
+    return value
+
+
+def _forget_unread(obj_id: int, ref) -> None:
+    entry = _UNREAD.get(obj_id)
+    if entry is not None and entry[0] is ref:
+        del _UNREAD[obj_id]
 
 
 def _chunking_and_id(root, path: Path, chunk_rows: int | None) -> tuple[int, str]:

@@ -26,7 +26,7 @@ from atlasflow.sources import source_of
 from atlasflow.errors import AtlasflowError, StoreError
 from atlasflow.store.commit import atomic_dir, link_tree
 from atlasflow.store.format import FULL_CHUNKS, META_KEY, index_dtype
-from atlasflow.store.read import read_partial, read_unchanged, writer_of
+from atlasflow.store.read import read_partial, read_unchanged, unread_elements, writer_of
 from atlasflow.compat import named_layers
 
 
@@ -45,7 +45,8 @@ def write_store(
     """Write ``adata`` atomically as an AnnData Zarr store at ``path``.
 
     Lazy elements read unchanged from another store are hard-linked, and so are obs, var and the
-    obsm/varm/obsp/varp entries ``open_store`` read that are unchanged (``read_unchanged``); other Dask
+    obsm/varm/obsp/varp entries ``open_store`` read that are unchanged (``read_unchanged``) or did not read
+    (``skip``, ``unread_elements``); other Dask
     elements are written block by block on the workers. ``row_nnz`` may give, per element key, the non-zeros of each row when
     the caller already knows them (saves one pass over a sparse element).
     """
@@ -66,6 +67,7 @@ def write_store(
             elif read_partial(value):
                 raise StoreError(f"{key} was opened without its columns (obs_columns=False) and then changed: "
                                  "writing it would drop them; open the store with its obs columns")
+        linked.update(unread_elements(adata))  # skipped by open_store and not replaced: linked as they are
         aligned = {axis: {k: v for k, v in getattr(adata, axis).items() if f"{axis}/{k}" not in linked}
                    for axis in ("obsm", "varm", "obsp", "varp")}
         # obs and var to be linked are not written first (for 100k cell names that is ~0.1 s): the skeleton has
