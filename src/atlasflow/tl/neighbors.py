@@ -265,17 +265,29 @@ def fuzzy_simplicial_set(
 ) -> sp.csr_matrix:
     """UMAP connectivities from a kNN (indices/distances, the point itself first): umap-learn's fuzzy union.
 
-    umap-learn's own ``fuzzy_simplicial_set`` on the precomputed kNN, as scanpy calls it, so the weights
-    are bit for bit scanpy's and a UMAP of this graph reproduces scanpy's layout. (A NumPy port agrees to
-    ~2e-7 only: float32 exp rounding differs, and UMAP's optimisation amplifies such differences.)
+    umap-learn's own strengths (``smooth_knn_dist``, ``compute_membership_strengths``) on the precomputed
+    kNN, as scanpy computes them, so the weights are bit for bit scanpy's and a UMAP of this graph reproduces
+    scanpy's layout. (A NumPy port agrees to ~2e-7 only: float32 exp rounding differs, and UMAP's
+    optimisation amplifies such differences.) The union (``set_op_mix_ratio=1``, scanpy's) is
+    ``kernels.fuzzy_union``: umap-learn's float32 sums row by row, without its sparse temporaries; other
+    ratios go through umap-learn's ``fuzzy_simplicial_set`` whole.
     """
     import warnings
 
     import_with_cache()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Tensorflow not installed")
+        from umap.umap_ import compute_membership_strengths, smooth_knn_dist
         from umap.umap_ import fuzzy_simplicial_set as umap_fss
 
+    if set_op_mix_ratio == 1.0:  # the union (scanpy's): umap-learn's strengths, its union row by row
+        from atlasflow.kernels.fuzzy_union import fuzzy_union
+
+        d = distances.astype(np.float32)
+        sigmas, rhos = smooth_knn_dist(d, float(n_neighbors), local_connectivity=float(local_connectivity))
+        _, cols, vals, _ = compute_membership_strengths(indices, d, sigmas, rhos, False)
+        del d, sigmas, rhos, _
+        return fuzzy_union(cols, vals, n_obs, indices.shape[1])
     conn, _sigmas, _rhos = umap_fss(
         sp.coo_matrix((n_obs, 1)), n_neighbors, None, None, knn_indices=indices, knn_dists=distances,
         set_op_mix_ratio=set_op_mix_ratio, local_connectivity=local_connectivity,
