@@ -318,6 +318,29 @@ def test_restrict_to_matches_scanpy(stores):
     assert ours.obs["leiden_R"][~untouched].astype(str).str.startswith("0-2,").all()
 
 
+def test_leiden_stage_links_the_elements_it_skipped_or_dropped(stores):
+    """The stage reads only the graph it clusters and drops it once igraph holds it: its output links the
+    input's obsm and obsp (the same files), and the labels are scanpy's (test_leiden_matches_scanpy)."""
+    import os
+
+    def inode(path):
+        return os.stat(next(p for p in sorted(path.rglob("*")) if p.is_file() and p.name != "zarr.json")).st_ino
+
+    for key in ("obsm/X_pca", "obsp/connectivities", "obsp/distances"):
+        assert inode(stores["leiden"] / key) == inode(stores["neighbors"] / key), key
+
+
+def test_keep_graph_false_frees_the_graph_and_keeps_the_labels(stores):
+    g = open_store(stores["neighbors"])
+    g.X = None
+    for method, extra in ((cluster.leiden, {"resolutions": [0.5]}), (cluster.louvain, {"resolutions": [0.5]})):
+        kept, dropped = g.copy(), g.copy()
+        method(kept, 1.0, **extra)
+        method(dropped, 1.0, keep_graph=False, **extra)
+        assert "connectivities" in kept.obsp and "connectivities" not in dropped.obsp
+        pd.testing.assert_frame_equal(dropped.obs, kept.obs)
+
+
 def test_clustering_is_reproducible(stores):
     g = open_store(stores["neighbors"])
     g.X = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 from atlasflow import ownership
@@ -20,7 +21,6 @@ from atlasflow.store import load_element, open_store, temporary_sibling, write_s
 from atlasflow.tl._gpu import clustering_engine, resolve_backend
 from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
 from atlasflow.tl.metrics import integration_table
-from atlasflow.tl.neighbors import graph_of
 
 DESCRIPTION = ("Leiden clustering of the neighbors graph (scanpy.tl.leiden): obs['leiden'] (+ one column per "
                "extra resolution); X is linked, not copied.")
@@ -77,8 +77,8 @@ def run_clustering(args, algorithm: str, cluster, *, before=None, after=None, **
         adata, optional_positive_float(args.resolution, "resolution"), resolutions=resolutions, restrict_to=restrict_to,
         random_state=optional_int(args.random_state, "random_state"), key_added=args.key_added,
         neighbors_key=args.neighbors_key,
-        obsp=args.obsp, backend=backend, sort_by_size=bool(args.sort_by_size), **options,
-    )
+        obsp=args.obsp, backend=backend, sort_by_size=bool(args.sort_by_size), keep_graph=False, **options,
+    )  # keep_graph=False: the graph leaves adata once igraph holds it; the output links it from the input
     keys = output_keys(algorithm, args.key_added, restricted=parse_restrict_to(restrict_to) is not None,
                        resolutions=resolutions)
     extra, table = after(adata, keys) if after is not None else ({}, None)
@@ -166,8 +166,9 @@ def _metrics(args):
                 used.append(key)
         graph = None
         if used or args.label_key is not None:  # the distances are read only for a metric that needs them
-            info, _ = graph_of(adata, args.neighbors_key or "neighbors")
-            graph = load_element(adata, f"obsp/{info.get('distances_key', 'distances')}")
+            info = adata.uns.get(args.neighbors_key or "neighbors")
+            key = info.get("distances_key", "distances") if isinstance(info, Mapping) else "distances"
+            graph = load_element(adata, f"obsp/{key}")
         table = integration_table(adata.obs, graph, batch_keys=used, label_key=args.label_key,
                                   cluster_key=keys[0] if args.label_key else None)
         for row in table.itertuples():

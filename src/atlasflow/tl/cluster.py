@@ -45,6 +45,11 @@ LOUVAIN_FLAVORS = ("igraph", "vtraag")
 # graph and random numbers
 
 
+def graph_key(adata: ad.AnnData, obsp: str | None = None, neighbors_key: str | None = None) -> str:
+    """The obsp key of the adjacency ``choose_graph`` takes."""
+    return obsp if obsp is not None else graph_of(adata, neighbors_key or "neighbors")[1]
+
+
 def choose_graph(adata: ad.AnnData, obsp: str | None = None, neighbors_key: str | None = None) -> sp.csr_matrix:
     """The adjacency to cluster: ``obsp[obsp]`` or the connectivities named by ``uns[neighbors_key]``."""
     if obsp is not None and neighbors_key is not None:
@@ -225,9 +230,14 @@ def _use_cugraph(algorithm: str, backend: str, flavor: str, extra_args) -> bool:
 
 def _run(
     adata, *, algorithm: str, resolution, resolutions, restrict_to, key_added, adjacency, obsp, neighbors_key,
-    partition, params_of, sort_by_size: bool = False,
+    partition, params_of, sort_by_size: bool = False, build_graph=None, keep_graph: bool = True,
 ) -> dict[str, pd.Categorical]:
-    """Shared driver: pick the graph, restrict it, partition it at each resolution, store the labels."""
+    """Shared driver: pick the graph, restrict it, partition it at each resolution, store the labels.
+
+    ``build_graph(adjacency)`` (None on the GPU) makes the igraph graph the partitions share, before the
+    first one; with ``keep_graph=False`` the adjacency taken from ``adata.obsp`` is then dropped from it, so
+    its memory is free while igraph clusters."""
+    from_obsp = adjacency is None
     adjacency = choose_graph(adata, obsp, neighbors_key) if adjacency is None else sp.csr_matrix(adjacency)
     if adjacency.shape != (adata.n_obs, adata.n_obs):
         raise InputError(f"adjacency has shape {adjacency.shape}, expected ({adata.n_obs}, {adata.n_obs})")
@@ -241,6 +251,12 @@ def _run(
     for r in resolutions or ():
         jobs[resolution_key(key_added, r)] = r
     graph_cache: dict = {}
+    if build_graph is not None:
+        graph_cache["g"] = build_graph(adjacency)
+        if not keep_graph:
+            if from_obsp:
+                adata.obsp.pop(graph_key(adata, obsp, neighbors_key), None)
+            adjacency = None
     out = {}
     for key, res in jobs.items():
         groups = np.asarray(partition(adjacency, res, graph_cache), dtype=np.int64)
@@ -271,6 +287,7 @@ def leiden(
     flavor: str = "igraph",
     backend: str = "cpu",
     sort_by_size: bool = False,
+    keep_graph: bool = True,
     copy: bool = False,
     **clustering_args: Any,
 ) -> ad.AnnData | None:
@@ -283,7 +300,9 @@ def leiden(
     ``uns[key]['params']`` holds resolution, random_state and n_iterations, as scanpy.
     ``backend='gpu'``: flavor 'igraph' runs as cuGraph's Leiden where cuGraph is installed (another
     implementation: partitions of the same quality, not the same labels; up to cuGraph's 100 levels, as
-    ``n_iterations`` counts igraph's passes), else on the CPU (logged).
+    ``n_iterations`` counts igraph's passes), else on the CPU (logged). ``keep_graph=False`` drops the
+    clustered ``obsp`` matrix from ``adata`` once igraph holds the graph (for a caller that links it from
+    its store instead: the leiden stage), so it takes no memory while igraph clusters.
     """
     adata = adata.copy() if copy else adata
     if flavor not in LEIDEN_FLAVORS:
@@ -330,7 +349,8 @@ def leiden(
     _run(adata, algorithm="leiden", resolution=resolution, resolutions=resolutions, restrict_to=restrict_to,
          key_added=key_added, adjacency=adjacency, obsp=obsp, neighbors_key=neighbors_key, partition=partition,
          params_of=lambda r: {"resolution": r, "random_state": random_state, "n_iterations": n_iterations},
-         sort_by_size=sort_by_size)
+         sort_by_size=sort_by_size, keep_graph=keep_graph,
+         build_graph=None if on_gpu else (lambda adj: igraph_from_adjacency(adj, directed=directed)))
     return adata if copy else None
 
 
@@ -351,6 +371,7 @@ def louvain(
     obsp: str | None = None,
     backend: str = "cpu",
     sort_by_size: bool = False,
+    keep_graph: bool = True,
     copy: bool = False,
 ) -> ad.AnnData | None:
     """Louvain clustering (scanpy.tl.louvain): ``obs[key_added]`` categorical '0', '1', ..., named as scanpy
@@ -361,7 +382,7 @@ def louvain(
     RBConfigurationVertexPartition on the directed graph, as scanpy's default. ``use_weights`` defaults to
     False, as in scanpy. ``uns[key]['params']`` holds resolution and random_state. ``backend='gpu'``: flavor
     'igraph' runs as cuGraph's Louvain where cuGraph is installed (which takes no seed), else on the CPU
-    (logged).
+    (logged). ``keep_graph``: as in :func:`leiden`.
     """
     adata = adata.copy() if copy else adata
     if flavor not in LOUVAIN_FLAVORS:
@@ -402,7 +423,9 @@ def louvain(
 
     _run(adata, algorithm="louvain", resolution=resolution, resolutions=resolutions, restrict_to=restrict_to,
          key_added=key_added, adjacency=adjacency, obsp=obsp, neighbors_key=neighbors_key, partition=partition,
-         params_of=lambda r: {"resolution": r, "random_state": random_state}, sort_by_size=sort_by_size)
+         params_of=lambda r: {"resolution": r, "random_state": random_state}, sort_by_size=sort_by_size,
+         keep_graph=keep_graph,
+         build_graph=None if on_gpu else (lambda adj: igraph_from_adjacency(adj, directed=directed)))
     return adata if copy else None
 
 
