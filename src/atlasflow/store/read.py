@@ -53,13 +53,7 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backen
     chunk_rows, store_id = _chunking_and_id(root, path, chunk_rows)
 
     def small(key):
-        if key not in root:
-            return None
-        try:
-            return ad.io.read_elem(root[key])
-        except Exception as exc:  # noqa: BLE001
-            raise StoreError(f"cannot read {key!r} of {path} ({type(exc).__name__}: {exc}); the store is damaged: "
-                             f"delete it and re-run {writer_of(path)}") from exc
+        return _read_element(root, key, path) if key in root else None
 
     obs = small("obs") if obs_columns else _names_only(root, "obs", path)
     var = small("var")
@@ -118,16 +112,21 @@ def load_element(adata: ad.AnnData, key: str):
     if entry is None or entry[0]() is not adata or key not in entry[2]:
         raise StoreError(f"{key} is not in the store this AnnData was opened from")
     path = Path(entry[1])
-    try:
-        value = ad.io.read_elem(zarr.open_group(str(path), mode="r")[key])
-    except Exception as exc:  # noqa: BLE001
-        raise StoreError(f"cannot read {key!r} of {path} ({type(exc).__name__}: {exc}); the store is damaged: "
-                         f"delete it and re-run {writer_of(path)}") from exc
+    value = _read_element(zarr.open_group(str(path), mode="r"), key, path)
     getattr(adata, axis)[name] = value
     if _freeze(value):
         ref = weakref.ref(value, functools.partial(_forget, id(value)))
         _READ[id(value)] = (ref, str(path), key, None, False)
     return value
+
+
+def _read_element(root, key: str, path: Path):
+    """``root[key]`` read into memory by anndata, or a one-line StoreError naming the stage to re-run."""
+    try:
+        return ad.io.read_elem(root[key])
+    except Exception as exc:  # noqa: BLE001
+        raise StoreError(f"cannot read {key!r} of {path} ({type(exc).__name__}: {exc}); the store is damaged: "
+                         f"delete it and re-run {writer_of(path)}") from exc
 
 
 def _forget_unread(obj_id: int, ref) -> None:

@@ -329,9 +329,7 @@ def leiden(
             from atlasflow.tl._gpu import cugraph_partition
 
             return cugraph_partition(adj, "leiden", resolution=res, random_state=random_state, use_weights=use_weights)
-        if "g" not in cache:
-            cache["g"] = igraph_from_adjacency(adj, directed=directed)
-        g, weights = cache["g"]
+        g, weights = cache["g"]  # built by _run before the first partition
         args = dict(clustering_args, n_iterations=n_iterations)
         if flavor == "igraph":
             if use_weights:
@@ -406,9 +404,7 @@ def louvain(
 
             return cugraph_partition(adj, "louvain", resolution=1.0 if res is None else res,
                                      random_state=random_state, use_weights=use_weights)
-        if "g" not in cache:
-            cache["g"] = igraph_from_adjacency(adj, directed=directed)
-        g, weights = cache["g"]
+        g, weights = cache["g"]  # built by _run before the first partition
         weights = weights if use_weights else None
         if flavor == "igraph":
             with igraph_seeded(random_state):

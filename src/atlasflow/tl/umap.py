@@ -63,8 +63,9 @@ def umap(
     cells and LOBPCG's above (the same eigenvectors to 1e-4 in a fraction of the memory, a different layout
     of the same quality; logged); None: umap-learn's always.
     ``exact_epochs_max_cells``: the epochs are umap-learn's (scanpy's coordinates) up to this many cells and
-    ``kernels.umap_epochs``' above (every cell's moves summed per epoch in parallel: reproducible for any
-    number of threads, 2-3x faster on 2 cores, not umap-learn's coordinates; logged); None: umap-learn's always.
+    ``kernels.umap_epochs``' above (each cell moves through its own graph row, groups of cells in turn, the
+    cells of a group in parallel: reproducible for any number of threads, 2-3x faster on 2 cores, not
+    umap-learn's coordinates; logged); None: umap-learn's always.
     ``backend='gpu'``: cuML lays out the same graph where it is installed (reproducible for a seed, not
     umap-learn's coordinates), else umap-learn on the CPU (logged).
     """
@@ -145,6 +146,17 @@ def umap(
     return adata if copy else None
 
 
+def _pruned(graph, n_epochs: int):
+    """A CSR copy of ``graph`` without the edges umap-learn drops before its start and epochs: those below
+    max weight / epochs (its default epochs when 10 or fewer are asked)."""
+    g = graph.tocsr(copy=True)
+    g.sum_duplicates()
+    epochs = n_epochs if n_epochs > 10 else (500 if g.shape[0] <= 10000 else 200)
+    g.data[g.data < g.data.max() / float(epochs)] = 0.0
+    g.eliminate_zeros()
+    return g
+
+
 def _large_layout(graph, x, init, dim: int, n_epochs: int, a: float, b: float, alpha: float, gamma: float,
                   negative_sample_rate: int, random_state, params: dict) -> np.ndarray:
     """The layout of a graph above ``exact_epochs_max_cells``: umap-learn's start (or the one given), then
@@ -160,9 +172,7 @@ def _large_layout(graph, x, init, dim: int, n_epochs: int, a: float, b: float, a
     if isinstance(init, str) and init == "random":
         start = rng.uniform(low=-10.0, high=10.0, size=(graph.shape[0], dim)).astype(np.float32)
     elif isinstance(init, str):  # 'spectral' below exact_spectral_max_cells: umap-learn's start, as it makes it
-        g = graph.tocsr(copy=True)
-        g.data[g.data < g.data.max() / float(n_epochs)] = 0.0
-        g.eliminate_zeros()
+        g = _pruned(graph, n_epochs)
         start = noisy_scale_coords(spectral_layout(x, g, dim, rng, metric=params.get("metric", "euclidean"),
                                                    metric_kwds=params.get("metric_kwds", {})),
                                    rng, max_coord=10, noise=0.0001)
@@ -192,11 +202,7 @@ def _large_spectral_start(graph, x, dim: int, n_epochs: int, random_state: int, 
 
     from atlasflow.tl._spectral import spectral_start
 
-    g = graph.tocsr(copy=True)
-    g.sum_duplicates()
-    epochs = n_epochs if n_epochs > 10 else (500 if g.shape[0] <= 10000 else 200)
-    g.data[g.data < g.data.max() / float(epochs)] = 0.0
-    g.eliminate_zeros()
+    g = _pruned(graph, n_epochs)
     log.info("umap: %d cells > exact_spectral_max_cells: spectral start by LOBPCG, not umap-learn's ARPACK "
              "(same eigenvectors to 1e-4; the layout is not scanpy's coordinates)", g.shape[0])
     seed = 0 if random_state is None else int(random_state)
