@@ -180,7 +180,8 @@ def _one_batch(x: da.Array, name, *, sim_doublet_ratio, expected_doublet_rate, s
     # mixology plates. Whether its round-off yields an exact zero distance there is luck; this count is not.
     k_obs = round(0.5 * math.sqrt(n_cells)) if n_neighbors is None else int(n_neighbors)
     k_adj = min(round(k_obs * (1 + n_sim / n_cells)), n_cells + n_sim)
-    ind, _, method = knn(manifold, k_adj, knn_method=knn_method, random_state=random_state)
+    ind, _, method = knn(manifold, k_adj, knn_method=knn_method, random_state=random_state,
+                         pynndescent_max_cells=None)  # scanpy's search at any size here
     ind = ind[:, 1:]
     n_sim_neigh = (ind >= n_cells).sum(axis=1)
     ld, se = _likelihood(n_sim_neigh, k_adj, n_sim / n_cells, expected_doublet_rate, stdev_doublet_rate)

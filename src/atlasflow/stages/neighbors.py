@@ -16,7 +16,9 @@ from atlasflow.errors import ConfigError
 from atlasflow.stages._common import Choice, Number, json_arg, optional_int, optional_positive_int, shape_summary
 from atlasflow.store import open_store, write_store
 from atlasflow.tl._gpu import knn_engine, resolve_backend
-from atlasflow.tl.neighbors import KNN_METHODS, METHODS, METRICS, choose_knn_method, neighbors
+from atlasflow.tl.neighbors import (
+    KNN_METHODS, METHODS, METRICS, PYNNDESCENT_MAX_CELLS, choose_knn_method, neighbors,
+)
 
 DESCRIPTION = ("kNN graph on obsm['X_pca'] (scanpy.pp.neighbors): obsp['distances'/'connectivities'], "
                "uns['neighbors']; X is linked, not copied.")
@@ -38,8 +40,15 @@ def add_arguments(p):
                    help="use the first n_pcs columns of the embedding; none: all")
     p.add_argument("--use-rep", dest="use_rep", default=None, help="obsm key of the embedding; none: X_pca")
     p.add_argument("--knn-method", dest="knn_method", choices=KNN_METHODS, default="auto",
-                   help="exact (brute force) or pynndescent; auto: exact below 8192 cells (euclidean), as scanpy; "
-                        "with --backend gpu, auto and exact search exactly on the GPU (cuML, else CuPy)")
+                   help="exact (brute force), pynndescent or ivf (atlasflow's inverted file, euclidean only); auto: "
+                        "exact below 8192 cells (euclidean) and pynndescent above, as scanpy, ivf above "
+                        "--pynndescent-max-cells (euclidean); with --backend gpu, auto and exact search exactly on "
+                        "the GPU (cuML, else CuPy)")
+    p.add_argument("--pynndescent-max-cells", dest="pynndescent_max_cells", default=PYNNDESCENT_MAX_CELLS,
+                   type=optional_positive_int.named("pynndescent_max_cells"),
+                   help="with --knn-method auto, a euclidean search of more cells than this is atlasflow's inverted "
+                        "file (same graph on any thread count, a quarter of pynndescent's memory) instead of "
+                        "pynndescent (scanpy's); none: pynndescent at any size")
     p.add_argument("--method", choices=METHODS, default="umap",
                    help="connectivities: UMAP fuzzy simplicial set or Gaussian kernel")
     p.add_argument("--metric", default="euclidean", type=metric_type.named("metric"),
@@ -64,12 +73,14 @@ def run(args, client) -> dict:
     if not isinstance(metric_kwds, dict):
         raise ConfigError(f"metric_kwds must be a JSON object, not {metric_kwds!r}")
     backend = resolve_backend(getattr(args, "backend", "cpu"))
-    used = choose_knn_method(adata.n_obs, metric, args.knn_method, backend=backend, metric_kwds=metric_kwds)
+    gate = optional_positive_int(args.pynndescent_max_cells, "pynndescent_max_cells")
+    used = choose_knn_method(adata.n_obs, metric, args.knn_method, backend=backend, metric_kwds=metric_kwds,
+                             pynndescent_max_cells=gate)
     t0 = time.time()
     neighbors(
         adata, n_neighbors, n_pcs, use_rep=args.use_rep, knn_method=args.knn_method, method=args.method,
         metric=metric, metric_kwds=metric_kwds, random_state=optional_int(args.random_state, "random_state"),
-        key_added=args.key_added, n_jobs=n_jobs, backend=backend,
+        key_added=args.key_added, n_jobs=n_jobs, backend=backend, pynndescent_max_cells=gate,
     )
     graph_seconds = time.time() - t0
     key = args.key_added or "neighbors"
