@@ -59,8 +59,9 @@ def add_arguments(p):
     p.add_argument("--key-added", dest="key_added", default=None,
                    help="store as uns[KEY], obsp[KEY_distances], obsp[KEY_connectivities]")
     p.add_argument("--n-jobs", dest="n_jobs", type=n_jobs_type.named("n_jobs"), default=1,
-                   help="threads of the kNN search; pynndescent's graph depends on it (1: reproducible anywhere, "
-                        "as scanpy; more: faster)")
+                   help="threads of the exact and pynndescent searches; pynndescent's graph depends on it (1: "
+                        "reproducible anywhere, as scanpy; more: faster); the ivf search uses all cores (numba's "
+                        "threads) and its graph does not depend on them")
 
 
 def run(args, client) -> dict:
