@@ -7,7 +7,7 @@ the embedding, one sorted copy and the result:
 1. k-means on a seeded sample gives ``n_lists`` centroids (~4 sqrt(n)); every cell goes to the list of its
    nearest centroid and records its ``n_probes`` nearest centroids.
 2. The cells are sorted by list, so that a list is one contiguous block, stored both row-major (the
-   queries) and transposed (the candidates, read a dimension at a time).
+   queries) and as one dimension-major block per list (the candidates, read a dimension at a time).
 3. List by list, every cell that probes the list computes its distances to the list's cells and merges them
    into its own top-k. The list stays in cache while its queries pass over it; a cell is in one list's
    query set once, so the parallel merges never touch the same row.
@@ -34,6 +34,20 @@ def _kernels():
     if _K is None:
         import numba
 
+        @numba.njit(inline="always")
+        def insert(bi, bd, v, j):
+            """Put candidate ``j`` at distance ``v`` into the ascending top list (bd, bi) if it is nearer than
+            its last entry, after any equal ones."""
+            last = bd.shape[0] - 1
+            if v < bd[last]:
+                p = last
+                while p > 0 and bd[p - 1] > v:
+                    bd[p] = bd[p - 1]
+                    bi[p] = bi[p - 1]
+                    p -= 1
+                bd[p] = v
+                bi[p] = j
+
         @numba.njit(parallel=True, cache=True)
         def nearest(x, cent_t, out, threads):
             """For each row of ``x``, its ``out.shape[1]`` nearest centroids (columns of ``cent_t``), nearest first."""
@@ -56,15 +70,7 @@ def _kernels():
                     bi[:] = -1
                     bd[:] = np.inf
                     for j in range(c):
-                        v = acc[j]
-                        if v < bd[p_max - 1]:  # insert, after any equal ones
-                            p = p_max - 1
-                            while p > 0 and bd[p - 1] > v:
-                                bd[p] = bd[p - 1]
-                                bi[p] = bi[p - 1]
-                                p -= 1
-                            bd[p] = v
-                            bi[p] = j
+                        insert(bi, bd, acc[j], j)
                     out[i] = bi
 
         @numba.njit(cache=True)
@@ -91,7 +97,6 @@ def _kernels():
             numba's thread count, passed in: reading it inside a parallel kernel stops numba caching it.)"""
             d = xs.shape[1]
             m = block.shape[0] // d
-            k = out_d.shape[1]
             n_q = queries.shape[0]
             n_chunks = min(n_q, 8 * threads)
             for ch in numba.prange(n_chunks):
@@ -108,15 +113,7 @@ def _kernels():
                     bi = out_i[i]
                     bd = out_d[i]
                     for j in range(m):
-                        v = acc[j]
-                        if v < bd[k - 1]:  # insert, after any equal ones
-                            q = k - 1
-                            while q > 0 and bd[q - 1] > v:
-                                bd[q] = bd[q - 1]
-                                bi[q] = bi[q - 1]
-                                q -= 1
-                            bd[q] = v
-                            bi[q] = lo + j
+                        insert(bi, bd, acc[j], lo + j)
 
         _K = nearest, centroids, search
     return _K
@@ -127,7 +124,7 @@ def default_lists(n: int) -> int:
     return max(1, min(n, round(4 * math.sqrt(n))))
 
 
-def ivf_knn(x: np.ndarray, k: int, *, n_probes: int = 32, n_lists: int | None = None, seed: int = 0,
+def ivf_knn(x: np.ndarray, k: int, *, n_probes: int = 32, n_lists: int | None = None, seed: int | None = 0,
             kmeans_iters: int = 8, progress: Callable[[str, float], None] | None = None
             ) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` nearest rows of every row of ``x`` (itself included), nearest first: (int64 indices, float32

@@ -3,8 +3,8 @@
 The embedding (cells x n_pcs, ``obsm['X_pca']`` by default) fits in memory even at 10M cells, so this
 never touches X. Search is exact (brute force, as scanpy does for small data) or approximate
 (pynndescent, scanpy's choice for large data; above ``pynndescent_max_cells`` an inverted-file search,
-:mod:`atlasflow.kernels.ivf_knn`, in a quarter of the memory and time); connectivities follow UMAP's fuzzy simplicial set
-(``method='umap'``) or the adaptive Gaussian kernel (``method='gauss'``). Output keys, layouts and
+:mod:`atlasflow.kernels.ivf_knn`, in a third of the memory and time); connectivities follow UMAP's fuzzy
+simplicial set (``method='umap'``) or the adaptive Gaussian kernel (``method='gauss'``). Output keys, layouts and
 dtypes are scanpy's: ``obsp['distances']`` holds the ``n_neighbors - 1`` nearest other cells of each
 row in order of distance, ``obsp['connectivities']`` the symmetric weights, ``uns['neighbors']`` the
 keys and parameters.
@@ -33,7 +33,7 @@ EXACT_MAX_CELLS_EUCLIDEAN = 8192
 EXACT_MAX_CELLS = 4096
 KNN_METHODS = ("auto", "exact", "pynndescent", "ivf")
 #: Default of ``pynndescent_max_cells``: above it ``auto`` searches a euclidean embedding with atlasflow's
-#: inverted file instead of pynndescent (1M cells: ~1.3 instead of ~4.8 GB, higher recall; #21)
+#: inverted file instead of pynndescent (1M cells: 1.7 instead of 4.8 GiB, higher recall; #21)
 PYNNDESCENT_MAX_CELLS = 300_000
 #: Lists each cell searches in the inverted file: recall 0.90 at 1M cells (bench/results/neighbors_ivf.md)
 IVF_PROBES = 32
@@ -206,7 +206,8 @@ def _ivf(x: np.ndarray, k: int, seed: int | None) -> tuple[np.ndarray, np.ndarra
     from atlasflow.kernels.ivf_knn import default_lists, ivf_knn
 
     n_lists = default_lists(x.shape[0])
-    log.info("neighbors: inverted-file search of %d cells (%d k-means lists, %d probed per cell, %d threads)", x.shape[0], n_lists, min(IVF_PROBES, n_lists), numba.get_num_threads())
+    log.info("neighbors: inverted-file search of %d cells (%d k-means lists, %d probed per cell, %d threads)",
+             x.shape[0], n_lists, min(IVF_PROBES, n_lists), numba.get_num_threads())
 
     def progress(step: str, fraction: float) -> None:
         if step != "k-means" or fraction == 1.0:
