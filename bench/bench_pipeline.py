@@ -31,6 +31,8 @@ What it measures
     bytes read and written through system calls (``read_chars``/``write_chars`` of ``/proc/<pid>/io``: file
     reads served from the page cache count, socket traffic between Dask processes does not). A sample is
     charged to the stage scripts running at that moment (staged) or the step being timed (fused, scanpy).
+    Staged, also each stage's passes over the stored matrices it read (``passes`` of its JSON summary:
+    block reads over blocks, counted from the task graphs it computed).
 
 Output
     ``bench/results/pipeline.md`` and ``pipeline.json`` (``--results``): one table per size with every
@@ -220,6 +222,14 @@ def child_results(timings: Path, sampler: Sampler, wall: float) -> dict:
 # ------------------------------------------------------------------------------------------------ staged
 
 
+def stage_passes(summary: Path) -> dict:
+    """Passes over each stored matrix a stage read, from its JSON summary (empty for in-memory stages)."""
+    try:
+        return json.loads(summary.read_text()).get("passes", {})
+    except (OSError, ValueError):
+        return {}
+
+
 def staged(n: int, work: Path, args) -> dict:
     """The Snakemake run (plus the wilcoxon rank_genes_groups script); per-step time, memory and I/O."""
     import yaml
@@ -246,8 +256,11 @@ def staged(n: int, work: Path, args) -> dict:
         seconds = float(bench_file.read_text().splitlines()[1].split("\t")[0])
         name = {"rank_genes_groups": "markers_ttest"}.get(rule, rule)
         steps[name] = step_record(seconds, sampler, rule)
-    # the second marker method, as a user would run it: the stage script on the workflow's stores
     res = work / "results" / "bench"
+    for name, step in steps.items():
+        rule = {"markers_ttest": "rank_genes_groups"}.get(name, name)
+        step["passes"] = stage_passes(res / f"{rule}.json")
+    # the second marker method, as a user would run it: the stage script on the workflow's stores
     argv = [sys.executable, str(ROOT / "scripts" / "rank_genes_groups.py"), "--input", str(res / "log1p.zarr"),
             "--groups-store", str(res / "leiden.zarr"), "--output", str(work / "wilcoxon.zarr"),
             "--method", "wilcoxon", "--n-workers", str(args.workers), "--chunk-rows", str(args.chunk_rows)]
@@ -257,6 +270,7 @@ def staged(n: int, work: Path, args) -> dict:
     if rc != 0:
         raise RuntimeError(f"rank_genes_groups --method wilcoxon failed (exit {rc}); see {work / 'wilcoxon.log'}")
     steps["markers_wilcoxon"] = step_record(seconds, sampler, "markers_wilcoxon")
+    steps["markers_wilcoxon"]["passes"] = stage_passes(work / "wilcoxon.json")
     return {"wall": wall + steps["markers_wilcoxon"]["seconds"], "steps": steps, "peak": max(
         sampler.peak_total, max((s["peak"] for s in steps.values()), default=0))}
 
@@ -500,6 +514,9 @@ def report(results: dict, args) -> str:
             rule += "---:|---:|---:|"
         head += " staged / scanpy s | staged / scanpy peak | staged / fused s | staged / scanpy_dask s |"
         rule += "---:|---:|---:|---:|"
+        if "staged" in r:
+            head += " staged: passes over stored matrices |"
+            rule += "---|"
         lines += [head, rule]
         for step_name in STEPS:
             row = f"| {step_name} |"
@@ -515,6 +532,8 @@ def report(results: dict, args) -> str:
             st, sc_, fu, sd = (cells.get(mo) for mo in ("staged", "scanpy", "fused", "scanpy_dask"))
             row += (f" {_ratio(st, sc_, 'seconds')} | {_ratio(st, sc_, 'peak')} | {_ratio(st, fu, 'seconds')} "
                     f"| {_ratio(st, sd, 'seconds')} |")
+            if "staged" in r:
+                row += f" {_passes(st)} |"
             lines.append(row)
         totals = {mo: _total(r[mo]) for mo in modes}
         row = "| **all steps** |"
@@ -538,6 +557,11 @@ def report(results: dict, args) -> str:
                 f"{k} {v['seconds']:.1f} s" for k, v in sorted(other.items())) + ".", ""]
     lines += scaling(results)
     return "\n".join(lines)
+
+
+def _passes(step: dict | None) -> str:
+    """A step's passes over stored matrices, e.g. 'subset/X 2' ('' for in-memory steps and older results)."""
+    return ", ".join(f"{k} {v:g}" for k, v in ((step or {}).get("passes") or {}).items())
 
 
 def scaling(results: dict) -> list[str]:

@@ -29,21 +29,25 @@ def store_of(snapshot: ad.AnnData, path: Path, chunk_rows: int, *, dense: bool =
 
 
 @contextlib.contextmanager
-def count_x_reads(store: Path):
-    """Count reads of X's row blocks from ``store`` in this process (use with the synchronous scheduler).
+def count_x_passes(store: Path):
+    """Count passes over X of ``store`` in this process (use with the synchronous scheduler).
 
-    Every block read of a CSR X fetches ``X/data`` once; of a dense X, ``X`` once (empty probes, as dask
-    makes for metadata, are not reads). The yielded Counter maps 'X' to the number of block reads.
+    A pass reads every stored value of a CSR X (``X/data``) or every row of a dense X once, in whatever
+    pieces the reader takes them; the yielded Counter's 'X' becomes the values (rows) read over those stored,
+    once the block ends. Dask's empty metadata probes read nothing.
     """
     orig = zarr.Array.__getitem__
     counts: Counter = Counter()
     tag = Path(store).name
+    read = Counter()
 
     def counting(self, selection):
         out = orig(self, selection)
         where = str(self.store_path).rstrip("/")
-        if where.endswith((f"{tag}/X", f"{tag}/X/data")) and np.size(out):  # not dask's empty meta probes
-            counts["X"] += 1
+        if where.endswith(f"{tag}/X/data"):
+            read["values"] += np.size(out)
+        elif where.endswith(f"{tag}/X"):
+            read["rows"] += np.shape(out)[0] if np.ndim(out) else 0
         return out
 
     zarr.Array.__getitem__ = counting
@@ -51,6 +55,11 @@ def count_x_reads(store: Path):
         yield counts
     finally:
         zarr.Array.__getitem__ = orig
+        x = zarr.open_group(str(store), mode="r")["X"]
+        if isinstance(x, zarr.Group):
+            counts["X"] = read["values"] / max(x["data"].shape[0], 1)
+        else:
+            counts["X"] = read["rows"] / max(x.shape[0], 1)
 
 
 def jaccard(a, b) -> float:

@@ -91,8 +91,9 @@ def test_no_module_over_the_line_limit():
 
 
 def test_dispatch_modules_are_leaves():
-    """backend (NumPy/CuPy dispatch), sources and allocation import no atlasflow module."""
-    for leaf in ("atlasflow.backend", "atlasflow.sources", "atlasflow.allocation", "atlasflow.errors"):
+    """backend (NumPy/CuPy dispatch), sources, passes and allocation import no atlasflow module."""
+    for leaf in ("atlasflow.backend", "atlasflow.sources", "atlasflow.passes", "atlasflow.allocation",
+                 "atlasflow.errors"):
         assert graph()[leaf] == set(), leaf
 
 

@@ -390,6 +390,15 @@ def test_end_to_end_outputs(built):
     assert "Warning" not in shown and "Traceback" not in shown, shown
 
 
+def test_summaries_count_passes_over_x(built):
+    """Each stage's summary says how often it read each stored matrix: the streaming stages' known passes."""
+    expected = {"qc": {"simulate/X": 1}, "filter": {"qc/X": 2}, "normalize": {"filter/X": 1},
+                "log1p": {"normalize/X": 1}, "subset": {"hvg/X": 1}, "scale": {"subset/X": 2}}
+    got = {stage: json.loads((built / "results" / DATASET / f"{stage}.json").read_text())["passes"]
+           for stage in expected}
+    assert got == expected
+
+
 def busy_threads(out: str) -> int:
     """The most threads that a run's jobs held at once, from Snakemake's job start and finish lines."""
     running, most = {}, 0

@@ -27,7 +27,7 @@ SHARE = 0.1
 @contextmanager
 def kept(x: da.Array, label: str):
     """Yield ``x`` persisted on the workers if it is small enough (logged), else ``x``; released on exit."""
-    from atlasflow import progress
+    from atlasflow import passes, progress
 
     client = progress.client_or_none()
     size = matrix_bytes(x)
@@ -37,9 +37,11 @@ def kept(x: da.Array, label: str):
         return
     log.info("%s: keeping X in the workers' memory between passes (%.0f MiB, at most %.0f%% of theirs)",
              label, size / 2**20, 100 * SHARE)
+    passes.count(x)
     held = client.persist(x)
     try:
-        yield held
+        with passes.held(held):  # same layer name, now results in memory: reading them is no pass
+            yield held
     finally:
         from distributed import futures_of
 

@@ -286,7 +286,10 @@ def _run_with_cluster(stage: ModuleType, args) -> dict:
         log.info("Dask dashboard: %s", client.dashboard_link)
         with _gpu_errors(args):
             result = stage.run(args, client)
-        return {**result, "peak_memory": peak_memory(client), "ran_on": where_it_ran(client)}
+        from atlasflow import passes
+
+        return {**result, "passes": passes.summary(), "peak_memory": peak_memory(client),
+                "ran_on": where_it_ran(client)}
 
 
 def _gpu_errors(args, *, in_memory: bool = False):

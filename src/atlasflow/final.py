@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from atlasflow import ownership
+from atlasflow import ownership, passes
 from atlasflow.errors import InputError
 from atlasflow.plots import add_missing_columns, palette, read_slots
 from atlasflow.store import copy_by_chunk, index_dtype, open_store
@@ -162,6 +162,7 @@ def _stream_csr(f, key, x, dask):
     data = indices = None
     indptr = [np.zeros(1, dtype=np.int64)]
     nnz = 0
+    passes.count(x)  # to_delayed optimises the graph: its read layers would be gone
     for block in x.to_delayed().ravel():
         (b,) = dask.compute(block, scheduler="threads")
         b = sp.csr_matrix(b.get() if hasattr(b, "get") and not sp.issparse(b) and not isinstance(b, np.ndarray) else b)

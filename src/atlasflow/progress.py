@@ -8,6 +8,8 @@ from contextlib import suppress
 
 import dask
 
+from atlasflow import passes
+
 log = logging.getLogger("atlasflow.progress")
 
 #: how often the scheduler reports progress (it does not delay the result: see ``compute``)
@@ -28,13 +30,17 @@ def client_or_none():
         return None
 
 
-def compute(*collections, label: str = "computing"):
+def compute(*collections, label: str = "computing", count_passes: bool = True):
     """``dask.compute`` that logs percent complete when a distributed client is active.
 
     The results are gathered as soon as they exist. The progress feed runs beside them on the client's event
     loop: waiting for it (what distributed's progress bars do) would add up to one report interval to every
     computation, ~0.5 s per pass over X.
+
+    The passes over stored matrices it takes are counted (``passes``) unless the caller counted them already.
     """
+    if count_passes:
+        passes.count(*collections)
     client = client_or_none()
     if client is None:
         return dask.compute(*collections)

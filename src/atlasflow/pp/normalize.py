@@ -51,10 +51,12 @@ def normalize_total(
         hits = X.map_blocks(
             lambda b, t: kernels.col_count_above(b, t).reshape(1, -1), thr[:, None],
             chunks=((1,) * X.numblocks[0], (X.shape[1],)), dtype=np.float64, meta=np.empty((0, 0)),
-        ).sum(axis=0).compute()
+        ).sum(axis=0)
+        (hits,) = progress.compute(hits, label="normalize_total: highly expressed genes")
         gene_subset = (hits == 0) if keep is None else (hits == 0) & keep
         log.info("normalize_total: excluding %d highly expressed genes", int((~gene_subset).sum()))
-        counts = _cell_counts(X, gene_subset).compute().astype(np.float32)
+        (counts,) = progress.compute(_cell_counts(X, gene_subset), label="normalize_total: cell totals")
+        counts = counts.astype(np.float32)
     if target_sum is None:
         target_sum = float(np.median(counts))
         log.info("normalize_total: target_sum = median of counts = %g", target_sum)

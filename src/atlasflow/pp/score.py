@@ -18,7 +18,7 @@ import anndata as ad
 import numpy as np
 import pandas as pd
 
-from atlasflow import kernels, progress
+from atlasflow import kernels, passes, progress
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.pp._utils import get_matrix
 
@@ -164,6 +164,7 @@ def _sequential_col_sums(X):
     """Column sums folded over the row blocks in order (see ``kernels.col_sums_nan_sequential``): one pass."""
     import dask
 
+    passes.count(X)  # to_delayed optimises the graph: its read layers would be gone
     carry = None
     for block in X.to_delayed().ravel():
         carry = dask.delayed(kernels.col_sums_nan_sequential, pure=True)(block, carry)

@@ -22,12 +22,11 @@ import logging
 import os
 from pathlib import Path
 
-import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
 
-from atlasflow import kernels
+from atlasflow import kernels, progress
 from atlasflow import plots as pl
 from atlasflow.errors import InputError
 from atlasflow.stages._common import json_arg
@@ -266,7 +265,7 @@ def group_means(path, groupby, genes, labels_store=None):
     g = da.from_array(codes[:, None], chunks=(x.chunks[0], 1))
     k, m = len(groups), len(genes)
     stats = kernels.over_blocks(x, _grouped_stats, k * 3 * m, g, col_idx, k)
-    (stats,) = dask.compute(stats)
+    (stats,) = progress.compute(stats, label="marker statistics")
     stats = stats.reshape(k, 3, m)
     sizes = np.bincount(codes[codes >= 0], minlength=k).astype(np.float64)[:, None]
     index = pd.Index([str(c) for c in groups], name=groupby)

@@ -17,10 +17,11 @@ import zarr
 import zarr.core.array
 from dask.base import tokenize
 
-from atlasflow import integrity, kernels, sources
+from atlasflow import integrity, kernels, passes, sources
 from atlasflow.backend import is_sparse_meta
 from atlasflow.sources import source_of
 from atlasflow.errors import StoreError
+from atlasflow.store import block_plan
 from atlasflow.store.format import META_KEY
 
 
@@ -261,12 +262,15 @@ def lazy_elem(path: Path, key: str, *, chunk_rows: int, store_id: str) -> da.Arr
         arr = zarr.open_array(str(path / key), mode="r")
         name = f"read-{tokenize(store_id, key, chunk_rows)}"
         bounds = row_bounds(arr.shape[0], chunk_rows)
-        dsk = {(name, i, 0): (_read_dense_block, str(path), key, s, e) for i, (s, e) in enumerate(bounds)}
+        dsk = _block_tasks(name, [s for s, _ in bounds] + [arr.shape[0]], arr.chunks[0], arr.shape[0],
+                           lambda k_lo, k_hi: (_read_dense_rows, str(path), key, k_lo, k_hi),
+                           lambda i, segs, shared: (_read_dense_block, str(path), key, *bounds[i], segs, *shared))
         if not bounds:
             dsk = {(name, 0, 0): (np.zeros, (0, arr.shape[1]), arr.dtype)}
         chunks = (tuple(e - s for s, e in bounds) or (0,), (arr.shape[1],))
         x = da.Array(dsk, name, chunks=chunks, meta=np.empty((0, 0), dtype=arr.dtype))
         sources.remember(x, path, key)
+        passes.register(x, path, key)
         return x
     raise StoreError(f"{path}/{key}: encoding {enc!r} is not supported (need csr_matrix or dense array)")
 
@@ -331,28 +335,73 @@ def _lazy_csr(path: Path, key: str, node, chunk_rows: int, store_id: str) -> da.
     dtype = node["data"].dtype
     bounds = row_bounds(n, chunk_rows)
     name = f"read-csr-{tokenize(store_id, key, chunk_rows)}"
-    dsk = {
-        (name, i, 0): (_read_csr_block, str(path), key, indptr[s : e + 1].copy(), m)
-        for i, (s, e) in enumerate(bounds)
-    }
+    parts = ("data", "indices")
+    dsk = _block_tasks(name, [indptr[s] for s, _ in bounds] + [nnz], _value_chunk(node, parts), nnz,
+                       lambda k_lo, k_hi: (_read_stored, str(path), key, parts, k_lo, k_hi),
+                       lambda i, segs, shared: (_read_csr_block, str(path), key,
+                                                indptr[bounds[i][0] : bounds[i][1] + 1].copy(), m, segs, *shared))
     chunks = (tuple(e - s for s, e in bounds) or (0,), (m,))
     if not bounds:
         dsk = {(name, 0, 0): (sp.csr_matrix, (0, m), None, dtype)}
     x = da.Array(dsk, name, chunks=chunks, meta=sp.csr_matrix((0, 0), dtype=dtype))
     sources.remember(x, path, key)
+    passes.register(x, path, key)
     return x
 
 
-def _read_csr_block(path: str, key: str, indptr: np.ndarray, n_cols: int) -> sp.csr_matrix:
+def _block_tasks(name: str, edges: list, chunk: int | None, total: int, chunk_task, block_task, *,
+                 one_dim: bool = False) -> dict:
+    """The row blocks' tasks, ``(name, i, 0)`` (``(name, i)`` when ``one_dim``), and those of the Zarr chunks
+    that several blocks touch, ``(name + "-chunk", k)``, so that a pass decodes every chunk once (``block_plan``).
+
+    ``edges`` bound the blocks in stored units (values of a CSR matrix, rows of a dense one), ``chunk`` is the
+    Zarr chunk length in those units (None: blocks read their whole range themselves). ``chunk_task(start,
+    stop)`` reads a chunk's range as a list of arrays; ``block_task(i, segments, shared_keys)`` builds block i.
+    """
+    if chunk is None:
+        shared, segments = [], [[("own", a, b)] if b > a else [] for a, b in zip(edges[:-1], edges[1:])]
+    else:
+        shared, segments = block_plan.plan(edges, chunk)
+    chunk_name = f"{name}-chunk"
+    dsk = {(chunk_name, k): chunk_task(k * chunk, min((k + 1) * chunk, total)) for k in shared}
+    for i, segs in enumerate(segments):
+        dsk[(name, i) if one_dim else (name, i, 0)] = block_task(i, segs, block_plan.shared_keys(chunk_name, segs))
+    return dsk
+
+
+def _value_chunk(node, parts: tuple[str, ...]) -> int | None:
+    """The Zarr chunk length (values) common to a CSR element's stored parts; None if they differ."""
+    chunks = {node[part].chunks[0] for part in parts}
+    return chunks.pop() if len(chunks) == 1 else None
+
+
+def _planned(path: str, key: str, parts: tuple[str, ...], start: int, stop: int, segments, shared) -> list:
+    """Entries ``start:stop`` of a CSR element's parts, from the block's own reads and its shared chunks."""
+    if not segments:
+        return _read_stored(path, key, parts, start, stop)
+    own = functools.partial(_read_stored, path, key, parts)
+    return block_plan.concat(block_plan.gather(segments, own, shared), len(parts))
+
+
+def _read_csr_block(path: str, key: str, indptr: np.ndarray, n_cols: int, segments=(), *shared) -> sp.csr_matrix:
     start, stop = int(indptr[0]), int(indptr[-1])
-    data, indices = _read_stored(path, key, ("data", "indices"), start, stop)
+    data, indices = _planned(path, key, ("data", "indices"), start, stop, segments, shared)
     return sp.csr_matrix((data, indices.astype(np.int32, copy=False), indptr - start), shape=(len(indptr) - 1, n_cols))
 
 
-def _read_dense_block(path: str, key: str, start: int, stop: int) -> np.ndarray:
-    """Rows ``start:stop`` of a stored dense matrix; a damaged chunk (checksum, truncation) is a StoreError."""
+def _read_dense_block(path: str, key: str, start: int, stop: int, segments=(), *shared) -> np.ndarray:
+    """Rows ``start:stop`` of a stored dense matrix, from its own chunks and the shared ones."""
+    if not segments:
+        return _read_dense_rows(path, key, start, stop)[0]
+    own = functools.partial(_read_dense_rows, path, key)
+    return block_plan.concat(block_plan.gather(segments, own, shared), 1)[0]
+
+
+def _read_dense_rows(path: str, key: str, start: int, stop: int) -> list[np.ndarray]:
+    """Rows ``start:stop`` of a stored dense matrix (as a one-part list); a damaged chunk (checksum,
+    truncation) is a StoreError."""
     try:
-        return zarr.open_array(str(Path(path) / key), mode="r")[start:stop]
+        return [zarr.open_array(str(Path(path) / key), mode="r")[start:stop]]
     except Exception as exc:  # noqa: BLE001 - zarr/numcodecs raise several types for a damaged chunk
         raise StoreError(
             f"cannot read rows {start}-{stop} of {path}/{key} ({type(exc).__name__}: {exc}); "
@@ -370,16 +419,20 @@ def stored_row_sums(x) -> da.Array | None:
     if src is None or not is_sparse_meta(x):
         return None
     path, key = src
-    indptr = np.asarray(zarr.open_group(path, mode="r")[key]["indptr"][:], dtype=np.int64)
+    node = zarr.open_group(path, mode="r")[key]
+    indptr = np.asarray(node["indptr"][:], dtype=np.int64)
     starts = np.cumsum((0,) + x.chunks[0])
     name = f"stored-row-sums-{tokenize(x.name)}"
-    dsk = {(name, i): (_row_sums_of_values, path, key, indptr[s : e + 1].copy())
-           for i, (s, e) in enumerate(zip(starts[:-1], starts[1:]))}
+    dsk = _block_tasks(name, [indptr[s] for s in starts], _value_chunk(node, ("data",)), int(indptr[-1]),
+                       lambda k_lo, k_hi: (_read_stored, path, key, ("data",), k_lo, k_hi),
+                       lambda i, segs, shared: (_row_sums_of_values, path, key,
+                                                indptr[starts[i] : starts[i + 1] + 1].copy(), segs, *shared),
+                       one_dim=True)
     return da.Array(dsk, name, chunks=(x.chunks[0],), dtype=np.float64, meta=np.empty((0,), np.float64))
 
 
-def _row_sums_of_values(path: str, key: str, indptr: np.ndarray) -> np.ndarray:
-    (data,) = _read_stored(path, key, ("data",), int(indptr[0]), int(indptr[-1]))
+def _row_sums_of_values(path: str, key: str, indptr: np.ndarray, segments=(), *shared) -> np.ndarray:
+    (data,) = _planned(path, key, ("data",), int(indptr[0]), int(indptr[-1]), segments, shared)
     rows = kernels.row_ids_of(indptr - indptr[0], np)
     return np.bincount(rows, weights=data.astype(np.float64), minlength=indptr.shape[0] - 1)
 

@@ -20,7 +20,7 @@ import scipy.sparse as sp
 import zarr
 import zarr.core.array
 
-from atlasflow import lazy, progress
+from atlasflow import lazy, passes, progress
 from atlasflow.backend import is_sparse_meta
 from atlasflow.sources import source_of
 from atlasflow.errors import AtlasflowError, StoreError
@@ -106,6 +106,7 @@ def write_matrix(root_path: Path, key: str, value, *, chunk_rows: int, row_nnz: 
         src = source_of(chain[0])
         if src is not None and (Path(src[0]) / src[1] / "indices").exists():
             write_mapped_values(root_path, key, Path(src[0]) / src[1], chain[1], np.dtype(value.dtype))
+            passes.add(*src)  # the source's values, read chunk by chunk
             return
     if not isinstance(value, da.Array):
         if sp.issparse(value):
@@ -317,6 +318,7 @@ def _chunk_lock(name: str):
 def write_dense_dask(root_path: Path, key: str, x: da.Array, *, chunk_rows: int) -> None:
     """Write a dense Dask array with Zarr chunks equal to its row blocks (each task owns its chunks)."""
     n, m = x.shape
+    passes.count(x)  # older Dask's da.store optimises the graph: its read layers would be gone
     x = x.map_blocks(_to_host, dtype=x.dtype)
     if len(set(x.chunks[0][:-1])) > 1 or (len(x.chunks[0]) > 1 and x.chunks[0][-1] > x.chunks[0][0]):
         x = x.rechunk((chunk_rows, m))
@@ -325,7 +327,7 @@ def write_dense_dask(root_path: Path, key: str, x: da.Array, *, chunk_rows: int)
     arr = parent.create_array(key, shape=(n, m), chunks=(max(rows, 1), max(m, 1)), dtype=x.dtype, fill_value=0, config=FULL_CHUNKS)
     arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
     stored = da.store(x, zarr.open_array(str(root_path / key), mode="r+"), lock=False, compute=False)
-    progress.compute(stored, label=f"writing {key}")
+    progress.compute(stored, label=f"writing {key}", count_passes=False)
 
 
 def _to_host(block):

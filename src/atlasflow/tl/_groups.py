@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
 
-from atlasflow import kernels
+from atlasflow import kernels, progress
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.compat import named_layers
 
@@ -155,7 +154,7 @@ def group_moments(x: da.Array, d: Design, *, squares: bool = True) -> GroupStats
     k, m = d.n_codes, x.shape[1]
     codes = da.from_array(d.codes, chunks=(x.chunks[0],))[:, None]
     total = kernels.over_blocks(x, kernels.group_moments, 3 * k * m + 1, codes, k, squares)
-    (flat,) = dask.compute(total)
+    (flat,) = progress.compute(total, label="group moments")
     sums, sq, nnz = (flat[i * k * m : (i + 1) * k * m].reshape(k, m) for i in range(3))
     return GroupStats(sums, sq if squares else None, nnz, d.sizes, bool(flat[-1] == 0))
 

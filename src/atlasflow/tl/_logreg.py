@@ -24,7 +24,7 @@ import dask.array as da
 import numpy as np
 from scipy import optimize
 
-from atlasflow import kernels
+from atlasflow import kernels, passes
 
 log = logging.getLogger("atlasflow.tl.markers")
 
@@ -68,14 +68,20 @@ def fit(x: da.Array, labels: np.ndarray, n_classes: int, *, C: float = 1.0, max_
     n = int((labels >= 0).sum())
     l2 = 1.0 / (C * n)
     bounds = np.concatenate([[0], np.cumsum(x.chunks[0])])
-    blocks, lab = [], []
+    blocks, lab, used = [], [], []
     cols = None if col_idx is None else dask.delayed(np.asarray(col_idx))
     for i, blk in enumerate(x.to_delayed().ravel()):
         y = labels[bounds[i] : bounds[i + 1]]
         if (y >= 0).any():  # rows of the fit, selected genes, float64: prepared once per block
             blocks.append(dask.delayed(_prepare)(blk, y, cols))
             lab.append(y[y >= 0])
+            used.append(x.blocks[i])
+
+    def count_pass():  # to_delayed optimised the graph: its read layers are gone
+        passes.count(*used)
+
     if persist:
+        count_pass()
         blocks = list(dask.persist(*blocks))
     n_evals = 0
 
@@ -85,6 +91,8 @@ def fit(x: da.Array, labels: np.ndarray, n_classes: int, *, C: float = 1.0, max_
         coef, b = w[: k * m].reshape(k, m), w[k * m :]
         wd, bd = dask.delayed(coef), dask.delayed(b)
         parts = [dask.delayed(kernels.logreg_loss_grad)(blk, y, wd, bd) for blk, y in zip(blocks, lab, strict=True)]
+        if not persist:
+            count_pass()
         (tot,) = dask.compute(_tree_sum(parts))
         tot = np.asarray(tot, dtype=np.float64)
         loss = tot[0] / n + 0.5 * l2 * float(np.dot(coef.ravel(), coef.ravel()))

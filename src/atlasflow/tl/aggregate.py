@@ -14,12 +14,11 @@ import logging
 from itertools import product
 
 import anndata as ad
-import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
 
-from atlasflow import kernels
+from atlasflow import kernels, progress
 from atlasflow.errors import ConfigError, InputError
 from atlasflow.tl._groups import lazy_matrix
 
@@ -88,7 +87,8 @@ def aggregate(adata: ad.AnnData, by, func, *, dof: int = 1, layer: str | None = 
         raise InputError(f"by: no cell has a label in {by}")
     squares = "var" in funcs
     codes_d = da.from_array(codes, chunks=(x.chunks[0],))[:, None]
-    (flat,) = dask.compute(kernels.over_blocks(x, kernels.group_moments, 3 * k * m + 1, codes_d, k, squares))
+    (flat,) = progress.compute(kernels.over_blocks(x, kernels.group_moments, 3 * k * m + 1, codes_d, k, squares),
+                               label="aggregate")
     sums, sq, nnz = (flat[i * k * m : (i + 1) * k * m].reshape(k, m) for i in range(3))
     counts = np.bincount(codes[codes >= 0], minlength=k)
     layers = {}
