@@ -251,15 +251,12 @@ def staged(n: int, work: Path, args) -> dict:
     if rc != 0:
         raise RuntimeError(f"snakemake failed (exit {rc}); see {work / 'snakemake.log'}")
     steps = {}
+    res = work / "results" / "bench"
     for bench_file in sorted((work / "logs" / "bench").glob("*.benchmark.tsv")):
         rule = bench_file.name.split(".")[0]
         seconds = float(bench_file.read_text().splitlines()[1].split("\t")[0])
         name = {"rank_genes_groups": "markers_ttest"}.get(rule, rule)
-        steps[name] = step_record(seconds, sampler, rule)
-    res = work / "results" / "bench"
-    for name, step in steps.items():
-        rule = {"markers_ttest": "rank_genes_groups"}.get(name, name)
-        step["passes"] = stage_passes(res / f"{rule}.json")
+        steps[name] = {**step_record(seconds, sampler, rule), "passes": stage_passes(res / f"{rule}.json")}
     # the second marker method, as a user would run it: the stage script on the workflow's stores
     argv = [sys.executable, str(ROOT / "scripts" / "rank_genes_groups.py"), "--input", str(res / "log1p.zarr"),
             "--groups-store", str(res / "leiden.zarr"), "--output", str(work / "wilcoxon.zarr"),

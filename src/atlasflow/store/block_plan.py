@@ -73,8 +73,8 @@ def gather(segments: list[Segment], read_own, shared: Sequence) -> list:
     return pieces
 
 
-def concat(pieces: list, n_parts: int) -> list[np.ndarray]:
-    """Join the pieces part by part (a block made of one piece is not copied)."""
+def concat(pieces: list) -> list[np.ndarray]:
+    """Join the (non-empty list of) pieces part by part (a block made of one piece is not copied)."""
     if len(pieces) == 1:
         return list(pieces[0])
-    return [np.concatenate([piece[j] for piece in pieces]) for j in range(n_parts)]
+    return [np.concatenate([piece[j] for piece in pieces]) for j in range(len(pieces[0]))]

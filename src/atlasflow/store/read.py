@@ -375,26 +375,24 @@ def _value_chunk(node, parts: tuple[str, ...]) -> int | None:
     return chunks.pop() if len(chunks) == 1 else None
 
 
-def _planned(path: str, key: str, parts: tuple[str, ...], start: int, stop: int, segments, shared) -> list:
-    """Entries ``start:stop`` of a CSR element's parts, from the block's own reads and its shared chunks."""
+def _planned(read, start: int, stop: int, segments, shared) -> list[np.ndarray]:
+    """Entries ``start:stop`` of a stored element's parts from the block's own reads (``read(start, stop)``,
+    a list of arrays) and its shared chunks; an empty block reads its empty range for the parts' dtypes."""
     if not segments:
-        return _read_stored(path, key, parts, start, stop)
-    own = functools.partial(_read_stored, path, key, parts)
-    return block_plan.concat(block_plan.gather(segments, own, shared), len(parts))
+        return read(start, stop)
+    return block_plan.concat(block_plan.gather(segments, read, shared))
 
 
 def _read_csr_block(path: str, key: str, indptr: np.ndarray, n_cols: int, segments=(), *shared) -> sp.csr_matrix:
     start, stop = int(indptr[0]), int(indptr[-1])
-    data, indices = _planned(path, key, ("data", "indices"), start, stop, segments, shared)
+    data, indices = _planned(functools.partial(_read_stored, path, key, ("data", "indices")), start, stop,
+                             segments, shared)
     return sp.csr_matrix((data, indices.astype(np.int32, copy=False), indptr - start), shape=(len(indptr) - 1, n_cols))
 
 
 def _read_dense_block(path: str, key: str, start: int, stop: int, segments=(), *shared) -> np.ndarray:
     """Rows ``start:stop`` of a stored dense matrix, from its own chunks and the shared ones."""
-    if not segments:
-        return _read_dense_rows(path, key, start, stop)[0]
-    own = functools.partial(_read_dense_rows, path, key)
-    return block_plan.concat(block_plan.gather(segments, own, shared), 1)[0]
+    return _planned(functools.partial(_read_dense_rows, path, key), start, stop, segments, shared)[0]
 
 
 def _read_dense_rows(path: str, key: str, start: int, stop: int) -> list[np.ndarray]:
@@ -432,7 +430,8 @@ def stored_row_sums(x) -> da.Array | None:
 
 
 def _row_sums_of_values(path: str, key: str, indptr: np.ndarray, segments=(), *shared) -> np.ndarray:
-    (data,) = _planned(path, key, ("data",), int(indptr[0]), int(indptr[-1]), segments, shared)
+    (data,) = _planned(functools.partial(_read_stored, path, key, ("data",)), int(indptr[0]), int(indptr[-1]),
+                       segments, shared)
     rows = kernels.row_ids_of(indptr - indptr[0], np)
     return np.bincount(rows, weights=data.astype(np.float64), minlength=indptr.shape[0] - 1)
 
