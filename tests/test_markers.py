@@ -23,6 +23,7 @@ from atlasflow import kernels, store, tl, transpose
 from atlasflow.cli import stage_main
 from atlasflow.stages import rank_genes_groups as rgg_stage
 from atlasflow.store import open_store, write_store
+from atlasflow.store import write as store_write
 
 PBMC3K = Path(__file__).resolve().parents[2] / "shared" / "data" / "pbmc3k"
 STATS = ("scores", "pvals", "pvals_adj", "logfoldchanges")
@@ -235,16 +236,20 @@ def test_gene_blocks_assembled_from_compressed_pieces(tmp_path):
 
 
 def test_wilcoxon_memory_bounded_by_gene_block(tmp_path, monkeypatch):
-    """A synthetic matrix 15 row blocks and 30 gene blocks large: no block of more than gene_block genes is
-    ever built, and the traced peak stays near that of one plain streaming pass over X (reading a row
-    block, with Zarr's chunk buffers), well below the size of the matrix."""
+    """A synthetic matrix 30 row blocks and 30 gene blocks large: no block of more than gene_block genes is
+    ever built, and the traced peak stays within a small multiple of one plain streaming pass over X (the
+    transposition holds a row block and its CSC copy where the pass holds the block), far below the size of
+    the matrix. Values are stored in chunks of 2**16 (a row block holds ~120k values), so that, as in a real
+    store (~20M values per 10k-cell block, 2**20 per chunk), a block spans chunks instead of several blocks
+    sharing one chunk that is a third of X; warm-up runs keep imports and numba compilation out."""
+    monkeypatch.setattr(store_write, "FLAT_CHUNK", 1 << 16)
     rng = np.random.default_rng(1)
     n, m, gene_block = 30_000, 3_000, 100
     x = sp.random(n, m, density=0.04, format="csr", dtype=np.float32, random_state=rng)
     x.data = np.log1p(np.ceil(x.data * 5)).astype(np.float32)
     obs = pd.DataFrame({"g": pd.Categorical(rng.integers(0, 6, n).astype(str))}, index=[f"c{i}" for i in range(n)])
     with dask.config.set(scheduler="synchronous"):
-        path = write_store(ad.AnnData(X=da.from_array(x, chunks=(2_000, m), asarray=False), obs=obs,
+        path = write_store(ad.AnnData(X=da.from_array(x, chunks=(1_000, m), asarray=False), obs=obs,
                                       var=pd.DataFrame(index=[f"g{j}" for j in range(m)])), tmp_path / "syn.zarr")
     matrix_bytes = x.data.nbytes + x.indices.nbytes
     del x
@@ -255,6 +260,7 @@ def test_wilcoxon_memory_bounded_by_gene_block(tmp_path, monkeypatch):
                         lambda *a: (lambda out: (shapes.append(out.shape), out)[1])(orig_asm(*a)))
 
     def traced_peak(fn):
+        fn()  # warm-up: imports and numba compilation on first use are traced Python allocations too
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
         try:
@@ -272,7 +278,7 @@ def test_wilcoxon_memory_bounded_by_gene_block(tmp_path, monkeypatch):
     assert all(s[1] == n for s in shapes)
     print(f"peak {peak / 2**20:.1f} MiB, one streaming pass {stream / 2**20:.1f} MiB, "
           f"matrix {matrix_bytes / 2**20:.1f} MiB")
-    assert peak < 1.6 * stream and peak < 0.9 * matrix_bytes, (peak, stream, matrix_bytes)
+    assert peak < 2.5 * stream and peak < 0.35 * matrix_bytes, (peak, stream, matrix_bytes)
 
 
 @pytest.mark.parametrize(("dtype", "n_cells", "decimals"),
