@@ -7,6 +7,13 @@ holds the end of one block and the start of the next would be decoded by both: ~
 when a block spans two or three chunks, as in a store of highly variable genes. Here a chunk that several
 blocks touch is read by a task of its own, and each block takes its part of it; the chunks inside a block
 are read by the block itself.
+
+That pays only where blocks span few chunks (``shares_chunks``). A block task that depends on a chunk task is
+no longer a root task to Dask's distributed scheduler, which then stops queueing block reads as workers free
+up (root-task queuing) and hands every block to the workers at once. With blocks of ~18 chunks (1M cells x
+20k genes, 10k-cell blocks, 2 workers of 1.5 GB) qc wrote 8.7 GiB of spilled blocks and took 1.12x as long,
+to save one decoded chunk in 18 (``bench/results/ab_qc_1000000_edge_chunks.md``). Such blocks read their edge
+chunks themselves, as before.
 """
 
 from __future__ import annotations
@@ -18,6 +25,18 @@ import numpy as np
 #: a block's piece: ("own", start, stop) read by the block itself, in stored units (values or rows), or
 #: ("shared", chunk, start, stop), a slice of a chunk that other blocks touch too (offsets in the chunk)
 Segment = tuple
+
+
+#: blocks spanning this many chunks or more (on average) read their edge chunks themselves: at most 1/8 of
+#: a pass is decoded twice, and the block reads stay root tasks
+SHARE_BELOW_SPAN = 8
+
+
+def shares_chunks(edges: Sequence[int], chunk: int, below: float = SHARE_BELOW_SPAN) -> bool:
+    """Whether blocks bounded by ``edges`` (stored units) are small enough, against the chunk length, for
+    shared chunk tasks: their average span is under ``below`` chunks."""
+    n_blocks = max(len(edges) - 1, 1)
+    return (int(edges[-1]) - int(edges[0])) / n_blocks < below * max(int(chunk), 1)
 
 
 def plan(edges: Sequence[int], chunk: int) -> tuple[list[int], list[list[Segment]]]:

@@ -353,12 +353,14 @@ def _block_tasks(name: str, edges: list, chunk: int | None, total: int, chunk_ta
                  one_dim: bool = False) -> dict:
     """The row blocks' tasks, ``(name, i, 0)`` (``(name, i)`` when ``one_dim``), and those of the Zarr chunks
     that several blocks touch, ``(name + "-chunk", k)``, so that a pass decodes every chunk once (``block_plan``).
+    Blocks that span many chunks (``block_plan.shares_chunks``) read their whole range themselves instead, and
+    stay root tasks.
 
     ``edges`` bound the blocks in stored units (values of a CSR matrix, rows of a dense one), ``chunk`` is the
     Zarr chunk length in those units (None: blocks read their whole range themselves). ``chunk_task(start,
     stop)`` reads a chunk's range as a list of arrays; ``block_task(i, segments, shared_keys)`` builds block i.
     """
-    if chunk is None:
+    if chunk is None or not block_plan.shares_chunks(edges, chunk):
         shared, segments = [], [[("own", a, b)] if b > a else [] for a, b in zip(edges[:-1], edges[1:])]
     else:
         shared, segments = block_plan.plan(edges, chunk)
