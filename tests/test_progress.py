@@ -78,3 +78,24 @@ def test_compute_reads_shared_blocks_once_when_it_splits(client, tmp_path):
     np.testing.assert_array_equal(col, np.arange(400).reshape(100, 4)[:, 1])
     calls = log.read_text().splitlines()
     assert len(calls) == 4 and len(set(calls)) == 4, calls
+
+
+def test_wait_for_idle_workers_waits_for_a_running_task(client, tmp_path):
+    """A task already running when its computation failed cannot be stopped: the wait lasts until it is done
+    (atomic_dir waits so before it removes a failed stage's temporary output)."""
+    import time
+
+    done = tmp_path / "done"
+
+    def slow():
+        time.sleep(1.5)
+        done.write_text("x")
+
+    future = client.submit(slow, pure=False)
+    deadline = time.monotonic() + 10
+    while not any(client.processing().values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # on the worker's thread by now
+    progress.wait_for_idle_workers(timeout=20)
+    assert done.exists()
+    del future

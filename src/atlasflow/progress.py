@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import suppress
 
 import dask
@@ -55,9 +56,33 @@ def compute(*collections, label: str = "computing", count_passes: bool = True):
     try:
         results = tuple(_gathered(client, coll) for coll in persisted)
         ok = True
+    except BaseException:
+        client.cancel(futures)  # the traceback keeps them alive: no more of this computation's tasks may start
+        raise
     finally:
         bar.finish(client, logged=ok)
     return results
+
+
+def wait_for_idle_workers(timeout: float = 30.0) -> None:
+    """Wait until no worker of the active client runs a task (at most ``timeout`` seconds).
+
+    A failed computation's tasks are cancelled, but one already running on a worker cannot be stopped: a
+    stage that removes its temporary output after a failure waits for them first, or a late block write
+    recreates the folder it just removed.
+    """
+    client = client_or_none()
+    if client is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            busy = client.run(lambda dask_worker: dask_worker.state.executing_count, on_error="return")
+        except Exception:  # noqa: BLE001 - a cluster that is going down runs nothing more either
+            return
+        if not any(isinstance(n, int) and n > 0 for n in busy.values()):
+            return
+        time.sleep(0.1)
 
 
 def _gathered(client, coll):

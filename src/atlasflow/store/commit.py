@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from atlasflow import ownership
+from atlasflow import ownership, progress
 from atlasflow.errors import StoreError
 
 
@@ -49,6 +49,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         os.rename(tmp, path)
     except BaseException as exc:
         if tmp is not None:
+            progress.wait_for_idle_workers()  # a task still running could write into tmp after its removal
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT,
                                                       errno.EPERM):
