@@ -49,7 +49,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         os.rename(tmp, path)
     except BaseException as exc:
         if tmp is not None:
-            progress.wait_for_idle_workers()  # a task still running could write into tmp after its removal
+            if isinstance(exc, Exception):  # not on Ctrl-C: stop now; the next run removes what is left
+                progress.wait_for_idle_workers()  # a task still running could write into tmp after its removal
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT,
                                                       errno.EPERM):
