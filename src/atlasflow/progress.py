@@ -97,14 +97,11 @@ def _gathered(client, coll):
     if not (isinstance(coll, da.Array) and coll.npartitions > 1 and type(coll._meta) is np.ndarray):
         return client.gather(client.compute(coll))
     by_key = {f.key: f for f in futures_of(coll)}
-    keys = np.empty(coll.numblocks, dtype=object)
-    for index in np.ndindex(coll.numblocks):
-        keys[index] = (coll.name, *index)
-    blocks = client.gather([by_key[k] for k in keys.ravel()])
-    nested = np.empty(coll.numblocks, dtype=object)
-    for j, index in enumerate(np.ndindex(coll.numblocks)):
-        nested[index] = blocks[j]
-    return concatenate3(nested.tolist())
+
+    def futures(keys):  # the block futures, nested as the array's keys (client.gather keeps the nesting)
+        return [futures(k) for k in keys] if isinstance(keys, list) else by_key[keys]
+
+    return concatenate3(client.gather(futures(coll.__dask_keys__())))
 
 
 def _log_bar():
