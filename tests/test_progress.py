@@ -101,3 +101,31 @@ def test_wait_for_idle_workers_waits_for_a_running_task(client, tmp_path):
     progress.wait_for_idle_workers(timeout=20)
     assert done.exists()
     del future
+
+
+def test_a_kept_matrix_is_released_without_cancelling_a_rerun(client, tmp_path):
+    """A matrix kept in the workers' memory between passes (``cache.kept``) is released on exit, and nothing
+    else goes with it. Keys are tokens of the inputs, so a computation repeated on the same store (pca run
+    twice in one process) asks for the same keys again. With ``client.cancel`` the release cancelled the
+    tasks that depend on the matrix too, and a rerun's results came back cancelled while a future of the
+    first run was still alive (dask/distributed#8215; CI once: FutureCancelledError in pca's projection)."""
+    import anndata as ad
+
+    from _oocore import store_of
+    from atlasflow import cache
+    from atlasflow.store import open_store
+
+    x = np.random.default_rng(0).random((200, 30)).astype(np.float32)
+    path = store_of(ad.AnnData(x), tmp_path / "small.zarr", 50, dense=True)
+    alive = []  # futures of the first run, as a traceback or a reference cycle may hold them
+    for _ in range(3):
+        X = open_store(path).X
+        with cache.kept(X, label="test") as held:
+            assert held is not X, "the 24 kB test matrix is kept in memory"
+            (doubled,) = progress.compute(held * 2, label="doubled")
+            alive = alive or [client.persist(held * 2)]
+        np.testing.assert_array_equal(doubled, x * 2)
+    from distributed import wait
+
+    wait(alive[0])  # still computed and wanted: the releases took nothing from it
+    np.testing.assert_array_equal(alive[0].compute(), x * 2)

@@ -45,7 +45,7 @@ def kept(x: da.Array, label: str):
     finally:
         from distributed import futures_of
 
-        client.cancel(futures_of(held))
+        progress.release(futures_of(held))
 
 
 def matrix_bytes(x: da.Array) -> int | None:

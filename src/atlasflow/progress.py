@@ -57,11 +57,26 @@ def compute(*collections, label: str = "computing", count_passes: bool = True):
         results = tuple(_gathered(client, coll) for coll in persisted)
         ok = True
     except BaseException:
-        client.cancel(futures)  # the traceback keeps them alive: no more of this computation's tasks may start
+        release(futures)  # the traceback keeps them alive: no more of this computation's tasks may start
         raise
     finally:
         bar.finish(client, logged=ok)
+    release(futures)  # the results are here: the workers free them now, not when the garbage collector says
     return results
+
+
+def release(futures) -> None:
+    """Drop this client's claim on ``futures``: the scheduler frees their results and forgets their tasks that
+    have not started, unless another future still wants them.
+
+    Not ``client.cancel``, which also cancels every task that depends on them and marks cancelled the state
+    that a later future of the same key shares. Keys are tokens of the inputs, so a computation repeated in the
+    same process (pca run twice on one store) asks for the same keys again, and it failed with
+    FutureCancelledError while an earlier future of them was still alive (dask/distributed#8215). A release
+    travels on the same ordered stream as the next graph.
+    """
+    for future in futures:
+        future.release()
 
 
 def wait_for_idle_workers(timeout: float = 30.0) -> None:
