@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_foundation import MiB, TreeSampler, machine, run_stage  # noqa: E402
+from bench_foundation import MiB, TreeSampler, fresh_workdir, machine, run_stage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N_TOP = 2000
@@ -158,9 +157,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     src = Path(args.input).resolve()
-    work = Path(args.workdir or src.parent / "features").resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_workdir(Path(args.workdir or src.parent / "features").resolve())
     import zarr
 
     n_cells, n_genes = (int(s) for s in zarr.open_group(str(src), mode="r")["X"].attrs["shape"])

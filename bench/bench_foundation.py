@@ -149,6 +149,23 @@ def _summary_path(argv: list[str]) -> Path | None:
     return Path(argv[argv.index("--output") + 1]).with_suffix(".json")
 
 
+#: the file that marks a folder as a benchmark's scratch, which a later run may delete whole
+MARK = ".atlasflow-bench"
+
+
+def fresh_workdir(path: Path) -> Path:
+    """``path`` emptied and marked as benchmark scratch. A folder that holds anything and no mark (a user's
+    folder given as ``--workdir`` by mistake) is refused with a one-line error, never deleted."""
+    path = Path(path)
+    if path.exists() and any(path.iterdir()) and not (path / MARK).exists():
+        sys.exit(f"{Path(sys.argv[0]).name}: {path} holds files and is not a benchmark's scratch folder "
+                 f"(no {MARK} in it): choose an empty or new --workdir")
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    (path / MARK).write_text("scratch of an atlasflow benchmark: the next run deletes this folder whole\n")
+    return path
+
+
 def du(path: Path) -> int:
     """Bytes on disk under ``path`` (hard-linked files counted once, as du does)."""
     if not path.exists():
@@ -197,9 +214,7 @@ def main(argv=None) -> int:
     if args.write_h5:
         return _write_h5(args)
 
-    work = Path(args.workdir or f"/tmp/atlasflow-bench-{args.n_cells}")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_workdir(Path(args.workdir or f"/tmp/atlasflow-bench-{args.n_cells}"))
     logs = work / "logs"
     logs.mkdir()
     common = ["--chunk-rows", str(args.chunk_rows), "--n-workers", str(args.workers)]

@@ -64,7 +64,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_foundation import MiB, machine  # noqa: E402
+from bench_foundation import MiB, fresh_workdir, machine  # noqa: E402
 
 MODES = ("staged", "fused", "scanpy", "scanpy_dask")
 STEPS = ["qc", "filter", "normalize", "log1p", "hvg", "subset", "scale", "pca", "neighbors", "leiden", "umap",
@@ -687,8 +687,7 @@ def main(argv=None) -> int:
         results["sizes"] = {n: r for n, r in json.loads(previous.read_text())["sizes"].items()
                             if int(n) not in args.sizes}
     for n in args.sizes:
-        work = Path(args.workdir) / str(n)
-        shutil.rmtree(work, ignore_errors=True)
+        work = fresh_workdir(Path(args.workdir) / str(n))
         r = results["sizes"][str(n)] = {"info": {
             "run": results["date"], "chunk_rows": args.chunk_rows,
             "worker memory limit": args.memory_limit or "auto"}}

@@ -16,9 +16,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.slow, pytest.mark.workflow]
 
 
+def test_workdir_of_a_user_is_refused_and_kept(tmp_path):
+    """The benchmarks delete their --workdir whole before a run: a folder that holds files and no benchmark
+    mark (a user's folder given by mistake) is refused and left as it was; a new, empty or marked folder is
+    emptied and marked."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_foundation import MARK, fresh_workdir
+
+    user = tmp_path / "analysis"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not a benchmark's scratch folder"):
+        fresh_workdir(user)
+    assert (user / "notes.txt").read_text() == "mine"
+    for path in (tmp_path / "new" / "1000", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        assert sorted(p.name for p in fresh_workdir(path).iterdir()) == [MARK]
+    (tmp_path / "empty" / "old.zarr").mkdir()
+    assert sorted(p.name for p in fresh_workdir(tmp_path / "empty").iterdir()) == [MARK]  # marked: emptied
+
+
+@pytest.mark.slow
+@pytest.mark.workflow
 def test_pipeline_bench_smoke_runs_every_mode_and_writes_its_report(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_pipeline import STEPS
