@@ -14,8 +14,12 @@ The modules, by what they compute: ``reduce`` (the reduction framework above), `
 per-gene statistics, elementwise maps), ``features`` (feature selection: grouped moments, clipped sums,
 NaN-aware sums), ``scaling`` (regression, scaling, the Gram matrix, projections), ``groups`` (per-group
 moments, logistic regression), ``ranks`` (exact Wilcoxon), ``scatter`` (gene-major blocks from transposed
-pieces). Every public name is re-exported here, so
-callers write ``kernels.row_sums``; a module-level setting (``MAX_LANES``) is read from its own module.
+pieces). Every public name of those is re-exported here, so callers write ``kernels.row_sums``; a
+module-level setting (``MAX_LANES``) is read from its own module.
+
+The graph kernels work on whole in-memory arrays, not row blocks, and are imported from their modules where
+they are used (each is numba, compiled on first use): ``ivf_knn`` (the kNN search above 300k cells),
+``fuzzy_union`` (UMAP's symmetrised connectivities) and ``umap_epochs`` (UMAP's parallel epochs).
 """
 from atlasflow.kernels.reduce import (  # noqa: F401
     per_row,
