@@ -196,13 +196,13 @@ def _use_cugraph(algorithm: str, backend: str, flavor: str, extra_args) -> bool:
 
 def _run(
     adata, *, algorithm: str, resolution, resolutions, restrict_to, key_added, adjacency, obsp, neighbors_key,
-    partition, params_of, sort_by_size: bool = False, build_graph=None, keep_graph: bool = True,
+    partition, params_of, sort_by_size: bool = False, directed: bool | None = None, keep_graph: bool = True,
 ) -> dict[str, pd.Categorical]:
     """Shared driver: pick the graph, restrict it, partition it at each resolution, store the labels.
 
-    ``build_graph(adjacency)`` (None on the GPU) makes the igraph graph the partitions share, before the
-    first one; with ``keep_graph=False`` the adjacency taken from ``adata.obsp`` is then dropped from it, so
-    its memory is free while igraph clusters."""
+    The igraph graph the partitions share, ``directed`` or not, is built before the first one (none when
+    ``directed`` is None: on the GPU, cuGraph takes the adjacency); with ``keep_graph=False`` the adjacency
+    taken from ``adata.obsp`` is then dropped from it, so its memory is free while igraph clusters."""
     from_obsp = adjacency is None
     adjacency = choose_graph(adata, obsp, neighbors_key) if adjacency is None else sp.csr_matrix(adjacency)
     if adjacency.shape != (adata.n_obs, adata.n_obs):
@@ -217,8 +217,8 @@ def _run(
     for r in resolutions or ():
         jobs[resolution_key(key_added, r)] = r
     graph_cache: dict = {}
-    if build_graph is not None:
-        graph_cache["g"] = build_graph(adjacency)
+    if directed is not None:
+        graph_cache["g"] = igraph_from_adjacency(adjacency, directed=directed)
         if not keep_graph:
             if from_obsp:
                 adata.obsp.pop(graph_key(adata, obsp, neighbors_key), None)
@@ -314,7 +314,7 @@ def leiden(
          key_added=key_added, adjacency=adjacency, obsp=obsp, neighbors_key=neighbors_key, partition=partition,
          params_of=lambda r: {"resolution": r, "random_state": random_state, "n_iterations": n_iterations},
          sort_by_size=sort_by_size, keep_graph=keep_graph,
-         build_graph=None if on_gpu else (lambda adj: igraph_from_adjacency(adj, directed=directed)))
+         directed=None if on_gpu else directed)
     return adata if copy else None
 
 
@@ -387,7 +387,7 @@ def louvain(
          key_added=key_added, adjacency=adjacency, obsp=obsp, neighbors_key=neighbors_key, partition=partition,
          params_of=lambda r: {"resolution": r, "random_state": random_state}, sort_by_size=sort_by_size,
          keep_graph=keep_graph,
-         build_graph=None if on_gpu else (lambda adj: igraph_from_adjacency(adj, directed=directed)))
+         directed=None if on_gpu else directed)
     return adata if copy else None
 
 
