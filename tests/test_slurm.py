@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,38 @@ def slurm_jobs() -> dict[int, dict]:
         if jid.isdigit():
             jobs[int(jid)] = {"state": state, "comment": comment, "mem": mem, "limit": limit}
     return jobs
+
+
+class JobWatch(threading.Thread):
+    """squeue's view of every job seen while a run goes on (polled every ``interval`` s), its last state each:
+    squeue forgets a finished job MinJobAge (300 s) after it ended, and on a loaded machine a run outlasts
+    that (CI: the resumed run's normalize job was gone when the run ended)."""
+
+    def __init__(self, interval: float = 2.0):
+        super().__init__(daemon=True)
+        self.jobs: dict[int, dict] = {}
+        self.interval = interval
+        self.done = threading.Event()
+
+    def poll(self) -> None:
+        try:
+            self.jobs.update(slurm_jobs())
+        except (RuntimeError, subprocess.TimeoutExpired):  # squeue busy for a moment: the next poll
+            pass
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.poll()
+            self.done.wait(self.interval)
+
+    def __enter__(self) -> JobWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join()
+        self.poll()
 
 
 def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None,
@@ -243,7 +276,7 @@ def slurm_run(slurm, slurm_profile, reference, tmp_path_factory) -> Path:
 
     t0 = time.time()
     log = workdir / "first_run.txt"
-    with open(log, "w") as fh:
+    with open(log, "w") as fh, JobWatch() as watch:
         proc = subprocess.Popen(smk_cmd(workdir, *args), cwd=workdir, text=True, stdout=fh,
                                 stderr=subprocess.STDOUT, env=clean_env())
         try:
@@ -262,12 +295,14 @@ def slurm_run(slurm, slurm_profile, reference, tmp_path_factory) -> Path:
                         if j > last_job and job["state"] in ("PENDING", "RUNNING")]
                 if mine:
                     sh("scancel", *mine, check=False)
-    first = {"rc": proc.returncode, "out": log.read_text(), "cancelled": cancelled, "jobs": slurm_jobs(),
+    first = {"rc": proc.returncode, "out": log.read_text(), "cancelled": cancelled, "jobs": watch.jobs,
              "seconds": time.time() - t0}
     (workdir / "first_run.json").write_text(json.dumps(first))
     t0 = time.time()
-    proc = run_snakemake(workdir, *args)
+    with JobWatch() as watch:
+        proc = run_snakemake(workdir, *args)
     (workdir / "rerun.txt").write_text(proc.stdout)
+    (workdir / "rerun_jobs.json").write_text(json.dumps(watch.jobs))
     print(f"SLURM: first run {first['seconds']:.1f} s, rerun {time.time() - t0:.1f} s")
     return workdir
 
@@ -307,9 +342,9 @@ def test_every_stage_ran_as_a_slurm_job_sized_to_it(slurm_run):
             assert len(ran_on["workers"]) == 2 and ran_on["threads"] == 2, ran_on
             assert ran_on["memory_limit"] == 2000 * 10**6, ran_on
     assert len(set(ids.values())) == len(STAGES)
-    jobs = slurm_jobs()  # the resumed run's jobs are recent enough for squeue (MinJobAge 300 s)
+    jobs = json.loads((slurm_run / "rerun_jobs.json").read_text())  # squeue's view during the resumed run
     for stage in ("normalize", "log1p", "final"):
-        job = jobs[int(ids[stage])]
+        job = jobs[str(ids[stage])]
         assert job["state"] == "COMPLETED" and job["comment"] == f"rule_{stage}_wildcards_{DATASET}", job
         assert job["mem"] == "2000M"
 
