@@ -21,7 +21,9 @@ Differences from scanpy, on purpose:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
@@ -31,7 +33,6 @@ import pandas as pd
 import scipy.sparse as sp
 
 from atlasflow.errors import ConfigError, InputError
-from atlasflow.tl._igraph_rng import igraph_seeded
 from atlasflow.tl.neighbors import graph_of
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,39 @@ def igraph_from_adjacency(adjacency: sp.spmatrix, *, directed: bool = False):
     g = ig.Graph(n=n, edges=edges(), directed=directed)
     weights = data[data != 0].astype(np.float64)
     return g, weights
+
+
+class _IgraphRNG:
+    """igraph's random number interface on a NumPy RandomState (scanpy's mapping of the calls)."""
+
+    def __init__(self, random_state: int | np.random.RandomState | None):
+        from sklearn.utils import check_random_state
+
+        self._rng = check_random_state(random_state)
+
+    def getrandbits(self, k: int) -> int:
+        return self._rng.tomaxint() & ((1 << k) - 1)
+
+    def randint(self, a: int, b: int) -> int:
+        return self._rng.randint(a, b + 1)
+
+    def random(self) -> float:
+        return self._rng.random()
+
+    def gauss(self, mu: float, sigma: float) -> float:
+        return self._rng.normal(mu, sigma)
+
+
+@contextmanager
+def igraph_seeded(random_state) -> Iterator[None]:
+    """Run igraph with random numbers from ``random_state``; restore Python's ``random`` afterwards."""
+    import igraph as ig
+
+    ig.set_random_number_generator(_IgraphRNG(random_state))
+    try:
+        yield
+    finally:
+        ig.set_random_number_generator(random)
 
 
 # --------------------------------------------------------------------------------------------------
