@@ -53,11 +53,12 @@ cat "$OUTDIR/env.txt"
 
 echo "## tests/gpu (timeout ${TEST_TIMEOUT}s)"
 # the preprocessing chain first (if the time runs out, the stages after PCA are what is lost); a hung test
-# is stopped after 120 s where pytest-timeout is installed (the H200 image has it)
+# is stopped after 120 s where pytest-timeout is installed (the H200 image has it); one process, in order
+# (-o addopts= drops pyproject's pytest-xdist options: the carried wheels have no xdist)
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
 timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest tests/gpu/test_cupy_api.py tests/gpu/test_gpu_stages.py tests/gpu/test_gpu_graph_markers.py \
-    -v -rfEs --tb=short --durations=12 -p no:cacheprovider "${per_test[@]}" \
+    -o addopts= -v -rfEs --tb=short --durations=12 -p no:cacheprovider "${per_test[@]}" \
     -W ignore::FutureWarning -W ignore::DeprecationWarning -o faulthandler_timeout=150 \
     --junitxml="$OUTDIR/junit.xml" 2>&1 | tee "$OUTDIR/tests.log"
 test_rc=${PIPESTATUS[0]}

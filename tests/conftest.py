@@ -13,8 +13,17 @@ SHARED = ROOT.parent / "shared"
 PBMC3K = SHARED / "data" / "pbmc3k"
 
 
+# The longest files, longest first (minutes each on 2 cores). pytest-xdist (`-n 2 --dist loadfile
+# --no-loadscope-reorder`, pyproject.toml) hands whole files to its workers in collection order: started first,
+# they run beside the many short files instead of leaving one worker alone with a long file at the end.
+LONGEST_FIRST = ("test_kill.py", "test_workflow.py", "test_slurm.py", "test_readme.py", "test_bench.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests when CuPy sees no device (with the reason), never run them on the CPU."""
+    """The longest files first (LONGEST_FIRST); then skip ``gpu`` tests when CuPy sees no device (with the
+    reason), never run them on the CPU."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
     try:
         import cupy
 
