@@ -350,6 +350,64 @@ def test_keep_graph_false_frees_the_graph_and_keeps_the_labels(stores):
         pd.testing.assert_frame_equal(dropped.obs, kept.obs)
 
 
+def test_one_edge_per_pair_gives_scanpys_leiden(stores, reference, tmp_path, caplog):
+    """igraph_edges='once' (the default from 300k cells) clusters half the edges into scanpy's labels, names
+    included, at two resolutions and restricted; the stage takes the option and records it."""
+    g = open_store(stores["neighbors"])
+    g.X = None
+    conns = sp.csr_matrix(g.obsp["connectivities"])
+    graph, weights = cluster.igraph_from_adjacency(conns, once=True)
+    assert conns.diagonal().sum() == 0 and graph.ecount() * 2 == conns.nnz  # one edge per pair
+    np.testing.assert_allclose(weights.sum(), conns.sum())  # 2 w per pair: the two edges' weight
+    both, once = g.copy(), g.copy()
+    with caplog.at_level("INFO", logger="atlasflow.tl.cluster"):
+        cluster.leiden(once, RESOLUTION, resolutions=[0.5], igraph_edges="once")
+    assert "one edge per pair of cells" in caplog.text
+    cluster.leiden(both, RESOLUTION, resolutions=[0.5], igraph_edges="both")
+    np.testing.assert_array_equal(once.obs["leiden"].astype(str), reference.obs["leiden"].astype(str))
+    pd.testing.assert_frame_equal(once.obs, both.obs)
+    for adata, edges in ((both, "both"), (once, "once")):
+        cluster.leiden(adata, 0.5, restrict_to=("leiden", ["0", "2"]), igraph_edges=edges)
+    pd.testing.assert_series_equal(once.obs["leiden_R"], both.obs["leiden_R"])
+    out = tmp_path / "once.zarr"
+    assert _run(leiden_stage, "--input", stores["neighbors"], "--output", out, "--igraph-edges", "once") == 0
+    labels = open_store(out).obs["leiden"]
+    pd.testing.assert_series_equal(labels, open_store(stores["leiden"]).obs["leiden"])
+    import zarr
+
+    assert zarr.open_group(out, mode="r").attrs["atlasflow"]["provenance"]["igraph_edges"] == "once"
+
+
+def test_one_edge_per_pair_only_where_it_is_the_same_graph(stores, monkeypatch, caplog):
+    """'auto' switches at EDGES_ONCE_MIN_CELLS; a graph that is not symmetric keeps both edges (logged); a
+    diagonal entry stays one edge of weight w; leidenalg and unknown values are refused."""
+    g = open_store(stores["neighbors"])
+    g.X = None
+    with caplog.at_level("INFO", logger="atlasflow.tl.cluster"):
+        cluster.leiden(g.copy(), RESOLUTION)
+        assert "one edge per pair" not in caplog.text  # 2,638 cells: scanpy's graph
+        monkeypatch.setattr(cluster, "EDGES_ONCE_MIN_CELLS", g.n_obs)
+        cluster.leiden(g.copy(), RESOLUTION)
+        assert "one edge per pair" in caplog.text
+        caplog.clear()
+        skewed = g.copy()
+        conns = sp.csr_matrix(skewed.obsp["connectivities"])
+        skewed.obsp["connectivities"] = sp.csr_matrix(sp.triu(conns) + 0.5 * sp.tril(conns))
+        labels = {e: cluster.leiden(skewed, RESOLUTION, igraph_edges=e, copy=True).obs["leiden"]
+                  for e in ("both", "once")}
+        assert "not symmetric: igraph gets both edges" in caplog.text
+        pd.testing.assert_series_equal(labels["once"], labels["both"])
+    loop = sp.csr_matrix(np.array([[0.5, 1, 0], [1, 0, 0.25], [0, 0.25, 0]]))
+    graph, weights = cluster.igraph_from_adjacency(loop, once=True)
+    assert graph.get_edgelist() == [(0, 0), (0, 1), (1, 2)]
+    np.testing.assert_array_equal(weights, [0.5, 2, 0.5])
+    assert not cluster.is_symmetric(sp.csr_matrix(np.array([[0, 1], [0, 0]])))
+    with pytest.raises(ConfigError, match="igraph_edges='once' is for flavor='igraph'"):
+        cluster.leiden(g.copy(), flavor="leidenalg", igraph_edges="once")
+    with pytest.raises(ConfigError, match="igraph_edges must be one of auto, both, once"):
+        cluster.leiden(g.copy(), igraph_edges="half")
+
+
 def test_clustering_is_reproducible(stores):
     g = open_store(stores["neighbors"])
     g.X = None

@@ -19,7 +19,8 @@ from atlasflow.stages._common import (Number, json_arg, load_graph, optional_boo
                                       optional_positive_float, positive_float, shape_summary)
 from atlasflow.store import load_element, open_store, temporary_sibling, write_store
 from atlasflow.tl._gpu import clustering_engine, resolve_backend
-from atlasflow.tl.cluster import LEIDEN_FLAVORS, cluster_sizes, leiden, output_keys, parse_restrict_to
+from atlasflow.tl.cluster import (EDGES_ONCE_MIN_CELLS, IGRAPH_EDGES, LEIDEN_FLAVORS, cluster_sizes, leiden,
+                                  output_keys, parse_restrict_to)
 from atlasflow.tl.metrics import integration_table
 
 DESCRIPTION = ("Leiden clustering of the neighbors graph (scanpy.tl.leiden): obs['leiden'] (+ one column per "
@@ -88,7 +89,8 @@ def run_clustering(args, algorithm: str, cluster, *, before=None, after=None, **
         table.to_csv(tmp, index=False)
     try:
         write_store(adata, args.output, chunk_rows=args.chunk_rows,
-                    provenance={"stage": algorithm, "keys": keys, "flavor": options["flavor"]})
+                    provenance={"stage": algorithm, "keys": keys,
+                                **{k: options[k] for k in ("flavor", "igraph_edges") if k in options}})
         if tmp is not None:
             ownership.replace_file(tmp, Path(args.metrics_csv))
     finally:
@@ -121,6 +123,10 @@ def add_arguments(p):
                    help="treat the graph as directed; none: false for igraph, true for leidenalg, as scanpy")
     p.add_argument("--use-weights", dest="use_weights", action=argparse.BooleanOptionalAction, default=True,
                    help="use the connectivities as edge weights")
+    p.add_argument("--igraph-edges", dest="igraph_edges", choices=IGRAPH_EDGES, default="auto",
+                   help="flavor igraph: both (scanpy's graph: i-j and j-i of each pair), once (one edge per pair, "
+                        "weight 2 w: the same partition on half the edges) or auto (once from "
+                        f"{EDGES_ONCE_MIN_CELLS:,} cells)")
     p.add_argument("--batch-key", dest="batch_key", nargs="*", default=["sample"],
                    help="obs column(s) of the batches whose mixing is measured on the graph (median graph iLISI); "
                         "a column missing or with one batch is left out (logged)")
@@ -183,4 +189,5 @@ def run(args, client) -> dict:
         args, "leiden", leiden, before=_check_label_key(args), after=_metrics(args), flavor=args.flavor,
         directed=optional_bool(args.directed), use_weights=bool(args.use_weights),
         n_iterations=n_iterations_type(args.n_iterations, "n_iterations"),
+        igraph_edges=args.igraph_edges,
     )
