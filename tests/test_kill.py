@@ -30,7 +30,9 @@ from test_workflow import (  # noqa: F401  (built, dask_address, workdir: fixtur
     snakemake,
     snakemake_cmd,
     stage_outputs,
+    wait_attached,
     workdir,
+    workers_held,
     write_config,
 )
 
@@ -45,42 +47,31 @@ def kill_normalize(built: Path, client, sig: signal.Signals, *, later_stores_sta
     Ctrl-C sends it) while normalize runs: nothing of normalize is accepted. `later_stores_stay`: the stores
     after it, from the earlier run, are still in place (until the next run moves them aside as stale).
     Returns what `snakemake --unlock` printed (SIGKILL: the lock stays) or ""."""
-    from distributed import Event
-
     log = built / "logs" / DATASET / "normalize.log"
     log.unlink(missing_ok=True)
-    # Hold both workers so that the stage, once attached, cannot finish before it is killed.
-    hold = Event("atlasflow-test-hold", client=client)
-    hold.clear()
-    workers = list(client.scheduler_info()["workers"])
-    held = [client.submit(hold.wait, 120, workers=[w], allow_other_workers=False, pure=False) for w in workers]
-    # Ctrl-C's default action, as a terminal starts snakemake: a runner that started pytest in the background
-    # (`cmd &` in a script) passes SIGINT on as ignored, and snakemake and the stage would never see it
-    proc = subprocess.Popen(snakemake_cmd(built, "--forcerun", "normalize"), cwd=built, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.time() + 120
-        while not (log.exists() and "attached to" in log.read_text()):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() < deadline, "the normalize stage did not start"
-            time.sleep(0.1)
-        time.sleep(1.0)  # the stage has submitted its work by now
-        assert proc.poll() is None
-        os.killpg(proc.pid, sig)
+    # both workers held: the stage, once attached, cannot finish before it is killed
+    with workers_held(client, "atlasflow-test-hold", 120):
+        # Ctrl-C's default action, as a terminal starts snakemake: a runner that started pytest in the background
+        # (`cmd &` in a script) passes SIGINT on as ignored, and snakemake and the stage would never see it
+        proc = subprocess.Popen(snakemake_cmd(built, "--forcerun", "normalize"), cwd=built, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # say where it hung
-            tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-g", str(proc.pid)],
-                                  capture_output=True, text=True).stdout
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"snakemake still ran 60 s after {sig.name}\nits processes:\n{tree}\n"
-                        f"its output:\n{proc.stdout.read()[-3000:]}\nnormalize.log:\n{log.read_text()[-3000:]}")
-    finally:
-        hold.set()
-        client.gather(held)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            wait_attached(proc, log, 120, "the normalize stage")
+            time.sleep(1.0)  # the stage has submitted its work by now
+            assert proc.poll() is None
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # say where it hung
+                tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-g", str(proc.pid)],
+                                      capture_output=True, text=True).stdout
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"snakemake still ran 60 s after {sig.name}\nits processes:\n{tree}\n"
+                            f"its output:\n{proc.stdout.read()[-3000:]}\nnormalize.log:\n{log.read_text()[-3000:]}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     store = results(built, "normalize")
     assert not (store / "zarr.json").exists() and not (store / "X").exists(), sig  # nothing that looks complete
     assert not (built / "results" / DATASET / "normalize.json").exists(), sig

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,32 @@ def snakemake(workdir: Path, *args: str, configfiles=("config.yaml",), check: bo
     if check and proc.returncode != 0:
         pytest.fail(f"snakemake {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc
+
+
+@contextmanager
+def workers_held(client, name: str, seconds: float):
+    """Every Dask worker waits on the distributed Event `name` (at most `seconds`) until the block ends, so a
+    stage that attaches meanwhile cannot finish its work."""
+    from distributed import Event
+
+    hold = Event(name, client=client)
+    hold.clear()
+    held = [client.submit(hold.wait, seconds, workers=[w], allow_other_workers=False, pure=False)
+            for w in client.scheduler_info()["workers"]]
+    try:
+        yield
+    finally:
+        hold.set()
+        client.gather(held)
+
+
+def wait_attached(proc: subprocess.Popen, log: Path, timeout: float, what: str) -> None:
+    """Wait until the stage that writes `log` has attached to the Dask cluster, `proc` (its snakemake) running."""
+    deadline = time.time() + timeout
+    while not (log.exists() and "attached to" in log.read_text()):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, f"{what} did not start"
+        time.sleep(0.1)
 
 
 def planned_jobs(workdir: Path, *args: str, configfiles=("config.yaml",)) -> dict[str, int]:
@@ -499,35 +526,23 @@ def test_deleted_stage_reruns_alone(built):
 
 def test_concurrent_run_is_refused(tmp_path, dask_address):
     """A second snakemake on the same results folder while one runs is refused by Snakemake's lock."""
-    from distributed import Event
-
     address, client = dask_address
     write_config(tmp_path, {**TINY_CONFIG, "dask": {"address": address}})
     target = f"results/{DATASET}/qc.zarr"
     log = tmp_path / "logs" / DATASET / "qc.log"
-    # hold both workers so that the first run's qc stage cannot finish while the second one starts
-    hold = Event("atlasflow-test-hold-lock", client=client)
-    hold.clear()
-    held = [client.submit(hold.wait, 180, workers=[w], allow_other_workers=False, pure=False)
-            for w in client.scheduler_info()["workers"]]
-    first = subprocess.Popen(snakemake_cmd(tmp_path, target), cwd=tmp_path, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    first = None
     try:
-        deadline = time.time() + 150
-        while not (log.exists() and "attached to" in log.read_text()):
-            assert first.poll() is None, first.stdout.read()
-            assert time.time() < deadline, "the first run's qc stage did not start"
-            time.sleep(0.1)
-        second = snakemake(tmp_path, target, check=False)
-        assert second.returncode != 0
-        assert "cannot be locked" in second.stdout, second.stdout
-    finally:
-        hold.set()
-        client.gather(held)
-    try:
+        # both workers held: the first run's qc stage cannot finish while the second run starts
+        with workers_held(client, "atlasflow-test-hold-lock", 180):
+            first = subprocess.Popen(snakemake_cmd(tmp_path, target), cwd=tmp_path, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            wait_attached(first, log, 150, "the first run's qc stage")
+            second = snakemake(tmp_path, target, check=False)
+            assert second.returncode != 0
+            assert "cannot be locked" in second.stdout, second.stdout
         assert first.wait(timeout=180) == 0, first.stdout.read()
     finally:
-        if first.poll() is None:
+        if first is not None and first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
 
 

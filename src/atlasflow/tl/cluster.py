@@ -83,7 +83,7 @@ def igraph_from_adjacency(adjacency: sp.spmatrix, *, directed: bool = False, onc
     entries with i <= j, weighing what scanpy's two edges weigh together (2 w; a diagonal entry is one
     edge in both). Every vertex then sums the same weights per neighbouring cluster and meets its
     neighbours in the same order, so igraph's Leiden makes the same moves (its sums can differ in the last
-    bit; the partitions measured were identical, ``bench/results/ab_leiden_1000000.md``) on half the
+    bit; the partitions measured were identical, ``bench/results/ab_leiden_1000000_once.md``) on half the
     edges: half the graph's memory, less time to build and cluster.
     """
     import igraph as ig
