@@ -108,6 +108,28 @@ def test_obs_opened_without_columns_is_linked_whole_or_refused_if_changed(source
     assert not (tmp_path / "bad.zarr").exists()
 
 
+def test_zarr_v2_store_is_refused_with_the_way_to_convert_it(tmp_path, capsys):
+    """A Zarr v2 store (anndata 0.12's default format) is refused in one line pointing to ingest, before any
+    output: its elements, linked into a stage's v3 output, would be missing there."""
+    from atlasflow.cli import stage_main
+    from atlasflow.errors import StoreError
+    from atlasflow.stages import log1p
+
+    before = ad.settings.zarr_write_format
+    ad.settings.zarr_write_format = 2
+    try:
+        ad.AnnData(X=sp.random(20, 5, density=0.5, format="csr", dtype=np.float32)).write_zarr(tmp_path / "v2.zarr")
+    finally:
+        ad.settings.zarr_write_format = before
+    with pytest.raises(StoreError, match=r"v2.zarr is a Zarr v2 store; .* convert it with the ingest stage"):
+        open_store(tmp_path / "v2.zarr")
+    out = tmp_path / "log1p.zarr"
+    assert stage_main(log1p, argv=["--input", str(tmp_path / "v2.zarr"), "--output", str(out)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is a Zarr v2 store" in err[-1] and "ingest" in err[-1], err
+    assert not out.exists()
+
+
 def test_open_matrix_gives_the_matrix_and_names_alone(source):
     from atlasflow.store import open_matrix
 

@@ -50,6 +50,9 @@ def open_store(path: str | os.PathLike, *, chunk_rows: int | None = None, backen
         root = zarr.open_group(str(path), mode="r")
     except Exception as exc:  # noqa: BLE001 - zarr raises several types for a broken group
         raise StoreError(f"{path} is not a readable Zarr store ({exc})") from exc
+    if root.metadata.zarr_format != 3:  # its elements, linked into a v3 output, would be invisible there
+        raise StoreError(f"{path} is a Zarr v{root.metadata.zarr_format} store; the stages read the Zarr v3 "
+                         "stores atlasflow writes: convert it with the ingest stage (--input it)")
     integrity.verify_store(path)  # every array's chunk files and shapes: Zarr would read zeros
     chunk_rows, store_id = _chunking_and_id(root, path, chunk_rows)
 
