@@ -101,7 +101,9 @@ def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = No
 def client_of(scheduler_file: Path, n_workers: int = 1):
     from distributed import Client
 
-    client = Client(scheduler_file=str(scheduler_file), timeout="30s")
+    # not the default client: two of them closed in the order they were made (a, then b) would leave dask's
+    # config naming the distributed scheduler with no client alive, for the next test file in this process
+    client = Client(scheduler_file=str(scheduler_file), timeout="30s", set_as_default=False)
     client.wait_for_workers(n_workers, timeout=60)
     return client
 
