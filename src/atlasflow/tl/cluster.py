@@ -119,8 +119,8 @@ def is_symmetric(adjacency: sp.spmatrix) -> bool:
     if not a.has_canonical_format:
         a = a.copy()
         a.sum_duplicates()
-    t = a.T.tocsr()  # a CSR from tocsr() is canonical
-    t.sort_indices()
+    t = a.T.tocsr()
+    t.sort_indices()  # compared array by array: both with sorted indices
     return (np.array_equal(a.indptr, t.indptr) and np.array_equal(a.indices, t.indices)
             and np.array_equal(a.data, t.data))
 
@@ -128,9 +128,8 @@ def is_symmetric(adjacency: sp.spmatrix) -> bool:
 def edges_once(igraph_edges: str, adjacency: sp.spmatrix, algorithm: str) -> bool:
     """Whether the igraph graph of ``adjacency`` gets one edge per pair (:func:`igraph_from_adjacency`):
     ``igraph_edges`` 'once', or 'auto' from :data:`EDGES_ONCE_MIN_CELLS` cells; never for a matrix that is
-    not symmetric (logged). Logs which graph is built."""
-    if igraph_edges not in IGRAPH_EDGES:
-        raise ConfigError(f"igraph_edges must be one of {', '.join(IGRAPH_EDGES)}, not {igraph_edges!r}")
+    not symmetric (logged). Logs which graph is built. ``igraph_edges`` is one of :data:`IGRAPH_EDGES`
+    (:func:`leiden` checks it before any work; louvain passes 'both')."""
     n = adjacency.shape[0]
     once = igraph_edges == "once" or (igraph_edges == "auto" and n >= EDGES_ONCE_MIN_CELLS)
     if once and not is_symmetric(adjacency):
